@@ -1,0 +1,8 @@
+"""ragged_compile: ragged (packed, variable-length) attention for torch.compile."""
+
+from .ops import ragged_attention
+from .reference import reference_attention
+from .validation import debug_checks, set_debug_checks
+
+__all__ = ["ragged_attention", "reference_attention", "debug_checks", "set_debug_checks"]
+__version__ = "0.1.0"

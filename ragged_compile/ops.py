@@ -1,0 +1,143 @@
+"""The ragged attention op: public function, custom op, fake kernel, device kernels."""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import reference_attention
+from .validation import check_cu_seqlens_values, check_inputs, debug_checks
+
+__all__ = ["ragged_attention"]
+
+
+def ragged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor | None = None,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    r"""Attention over packed variable-length segments, without padding.
+
+    Shape legend:
+        ============  ===================================================
+        n             number of segments (sequences) in the batch
+        Tq, Tk        packed tokens of q and of k/v (sum of segment lengths)
+        Hq, Hkv       query heads and key/value heads; ``Hq % Hkv == 0``
+        D             head dimension
+        ============  ===================================================
+
+    Args:
+        q: ``[Tq, Hq, D]`` queries, segment after segment.
+        k, v: ``[Tk, Hkv, D]`` keys and values, packed the same way.
+        cu_seqlens_q: ``[n + 1]`` int32/int64 offsets into q: ``0``,
+            non-decreasing, last entry ``Tq``. Segment ``i`` is
+            ``q[cu_seqlens_q[i]:cu_seqlens_q[i + 1]]``.
+        cu_seqlens_k: ``[n + 1]`` offsets into k/v; ``None`` means self-attention
+            over q's layout. Segment ``i`` of q attends only segment ``i`` of k/v.
+        max_seqlen_q, max_seqlen_k: optional upper bounds on segment lengths,
+            accepted for drop-in use where ``varlen_attn``-style calls pass them.
+            They are checked when offsets are checked and never change the result.
+        causal: mask aligned **bottom-right** (as FlashAttention and FlashInfer):
+            query row ``i`` of a segment with ``Lq`` queries and ``Lk`` keys sees
+            keys ``j <= i + Lk - Lq``. For ``Lq == Lk`` this is
+            ``F.scaled_dot_product_attention(..., is_causal=True)``; for
+            ``Lq != Lk`` SDPA aligns top-left, and the rewrites never hand such
+            a call to this op.
+        scale: softmax scale, default ``D ** -0.5``.
+
+    Returns:
+        ``[Tq, Hq, D]`` in q's dtype. A query row that sees no key (empty k/v
+        segment, or above the causal diagonal when ``Lq > Lk``) is zero, never
+        NaN. Zero-length segments are valid on either side; ``n = 0`` returns
+        an empty result.
+
+    Inputs of any strides are accepted; kernels that need a contiguous last
+    dimension copy. GQA/MQA: query head ``h`` uses k/v head ``h // (Hq // Hkv)``
+    (as ``enable_gqa=True`` in SDPA). Forward only: no backward is defined.
+
+    Offsets are checked (``cu[0] == 0``, non-decreasing, ``cu[-1] == T``) on
+    host copies: always for CPU tensors, at plan time on CUDA, and on every call
+    under ``RAGGED_COMPILE_DEBUG=1``, since reading device offsets costs a sync.
+    """
+    if cu_seqlens_k is None:
+        cu_seqlens_k = cu_seqlens_q
+        if max_seqlen_k is None:
+            max_seqlen_k = max_seqlen_q
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if max_seqlen_q is not None or max_seqlen_k is not None:
+        if not torch.compiler.is_compiling() and (cu_seqlens_q.device.type == "cpu" or debug_checks()):
+            check_cu_seqlens_values(cu_seqlens_q, q.shape[0], "cu_seqlens_q", max_seqlen_q)
+            check_cu_seqlens_values(cu_seqlens_k, k.shape[0], "cu_seqlens_k", max_seqlen_k)
+    return torch.ops.ragged_compile.ragged_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale)
+    )
+
+
+def check_values(q, k, cu_seqlens_q, cu_seqlens_k):
+    """Value checks of the offsets on host copies (a sync for device tensors)."""
+    check_cu_seqlens_values(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    check_cu_seqlens_values(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+
+
+@torch.library.custom_op("ragged_compile::ragged_attention", mutates_args=())
+def _ragged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    # Any device without a kernel of its own (CPU, MPS, ...) runs the reference.
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    check_values(q, k, cu_seqlens_q, cu_seqlens_k)
+    return reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+
+
+@_ragged_attention.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
+    torch._check(q.dim() == 3, lambda: f"q must be [Tq, Hq, D], got {q.dim()}-D")
+    torch._check(k.dim() == 3 and v.dim() == 3, lambda: "k and v must be [Tk, Hkv, D]")
+    torch._check(
+        k.shape[0] == v.shape[0] and k.shape[1] == v.shape[1],
+        lambda: f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in tokens and heads",
+    )
+    torch._check(
+        k.shape[2] == q.shape[2] and v.shape[2] == q.shape[2],
+        lambda: f"q, k, v head_dim differ: {q.shape[2]}, {k.shape[2]}, {v.shape[2]}",
+    )
+    torch._check(
+        q.shape[1] % k.shape[1] == 0,
+        lambda: f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})",
+    )
+    torch._check(
+        cu_seqlens_q.dim() == 1 and cu_seqlens_k.dim() == 1,
+        lambda: "cu_seqlens_q and cu_seqlens_k must be 1-D [n + 1]",
+    )
+    torch._check(
+        cu_seqlens_q.shape[0] == cu_seqlens_k.shape[0],
+        lambda: "cu_seqlens_q and cu_seqlens_k must describe the same number of segments",
+    )
+    torch._check(
+        q.dtype == k.dtype == v.dtype, lambda: f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
+    )
+    return q.new_empty(q.shape)
+
+
+@_ragged_attention.register_kernel("cuda")
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    if debug_checks():
+        check_values(q, k, cu_seqlens_q, cu_seqlens_k)
+    return reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)

@@ -1,0 +1,147 @@
+"""Argument checks shared by the public function, the kernels and the runtime.
+
+Two kinds of check live here:
+
+* metadata checks (`check_inputs`) look only at dtypes, devices, ranks and
+  sizes. They cost nothing, run on every call and work on fake tensors while
+  Dynamo traces, so a compiled model fails at trace time with the same message.
+* value checks (`check_cu_seqlens_values`) need the *contents* of
+  ``cu_seqlens``. They run on host copies: the CPU kernel and the planner have
+  those anyway. On a GPU, reading device-resident offsets costs a
+  device-to-host sync, so the per-call hot path never does it unless
+  ``RAGGED_COMPILE_DEBUG=1`` (or :func:`set_debug_checks`) asks for it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+__all__ = ["check_inputs", "check_cu_seqlens_values", "debug_checks", "set_debug_checks"]
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_DEBUG = os.environ.get("RAGGED_COMPILE_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+def debug_checks() -> bool:
+    """Whether device-resident ``cu_seqlens`` are checked on every call (costs a sync)."""
+    return _DEBUG
+
+
+def set_debug_checks(enabled: bool) -> None:
+    """Turn per-call value checks of device-resident ``cu_seqlens`` on or off."""
+    global _DEBUG
+    _DEBUG = bool(enabled)
+
+
+def _check_cu_meta(cu: torch.Tensor, name: str, device: torch.device) -> None:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32/int64 offsets, got {type(cu).__name__}")
+    if cu.dtype not in _INDEX_DTYPES:
+        raise TypeError(
+            f"{name} must have dtype int32 or int64, got {cu.dtype}; "
+            f"build it with torch.cumsum(lengths, 0) prefixed by 0 and .to(torch.int32)"
+        )
+    if cu.dim() != 1:
+        raise ValueError(
+            f"{name} must be 1-D of shape [num_segments + 1], got shape {tuple(cu.shape)}"
+        )
+    if cu.shape[0] < 1:
+        raise ValueError(f"{name} must hold at least one offset (the leading 0), got an empty tensor")
+    if cu.device != device:
+        raise ValueError(
+            f"{name} is on {cu.device} but q is on {device}; move it with {name}.to(q.device)"
+        )
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float | None,
+) -> None:
+    """Check everything that can be checked without reading tensor values."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested:
+            raise TypeError(
+                f"{name} is a nested tensor; pass its packed values ({name}.values()) and "
+                f"offsets, or run the model under ragged_compile.enable()"
+            )
+        if t.dim() != 3:
+            raise ValueError(
+                f"{name} must be packed as [tokens, heads, head_dim], got shape {tuple(t.shape)}"
+            )
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}; "
+            f"cast them with .to({q.dtype})"
+        )
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(
+            f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}"
+        )
+    if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
+        raise ValueError(
+            f"k and v must have the same [tokens, heads], got k={tuple(k.shape)}, v={tuple(v.shape)}"
+        )
+    if k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2]:
+        raise ValueError(
+            f"q, k and v must share head_dim, got q={q.shape[2]}, k={k.shape[2]}, v={v.shape[2]}"
+        )
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"q heads ({hq}) must be a positive multiple of k/v heads ({hkv}) for GQA/MQA; "
+            f"repeat or regroup the k/v heads"
+        )
+    if q.shape[2] == 0:
+        raise ValueError("head_dim must be positive, got 0")
+    _check_cu_meta(cu_seqlens_q, "cu_seqlens_q", q.device)
+    _check_cu_meta(cu_seqlens_k, "cu_seqlens_k", q.device)
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_q has {cu_seqlens_q.shape[0] - 1} segments but cu_seqlens_k has "
+            f"{cu_seqlens_k.shape[0] - 1}; segment i of q attends segment i of k/v, so both "
+            f"layouts need the same number of segments (use zero-length segments to align them)"
+        )
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}; pass None for head_dim ** -0.5")
+
+
+def check_cu_seqlens_values(
+    cu: torch.Tensor, total: int, name: str, max_seqlen: int | None = None
+) -> torch.Tensor:
+    """Check a *host* copy of offsets; returns the per-segment lengths (int64, CPU)."""
+    cu = cu.to("cpu", torch.int64)
+    if cu.numel() and int(cu[0]) != 0:
+        raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}; offsets start at the first token")
+    lens = cu[1:] - cu[:-1]
+    if lens.numel() and bool((lens < 0).any()):
+        i = int(torch.nonzero(lens < 0)[0, 0])
+        raise ValueError(
+            f"{name} must be non-decreasing, but {name}[{i + 1}]={int(cu[i + 1])} < "
+            f"{name}[{i}]={int(cu[i])}; offsets are the running sum of segment lengths"
+        )
+    if int(cu[-1]) != total:
+        tensor = "q" if name.endswith("_q") else "k/v"
+        raise ValueError(
+            f"{name}[-1] is {int(cu[-1])} but {tensor} holds {total} tokens; the last offset "
+            f"must equal the number of packed tokens"
+        )
+    if max_seqlen is not None and lens.numel() and int(lens.max()) > max_seqlen:
+        raise ValueError(
+            f"a segment of {name} has {int(lens.max())} tokens, more than max_seqlen "
+            f"{'q' if name.endswith('_q') else 'k'}={max_seqlen}; pass the true maximum or None"
+        )
+    return lens

@@ -2,7 +2,8 @@
 
 from .ops import ragged_attention
 from .reference import reference_attention
+from .runtime import Runtime
 from .validation import debug_checks, set_debug_checks
 
-__all__ = ["ragged_attention", "reference_attention", "debug_checks", "set_debug_checks"]
+__all__ = ["ragged_attention", "reference_attention", "Runtime", "debug_checks", "set_debug_checks"]
 __version__ = "0.1.0"

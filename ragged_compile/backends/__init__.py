@@ -1,0 +1,1 @@
+"""Device kernels of the ragged attention op. `flashinfer` is the CUDA one."""

@@ -1,0 +1,133 @@
+"""FlashInfer's ragged prefill (`BatchPrefillWithRaggedKVCacheWrapper`) as the
+CUDA kernel of the op: wrapper construction, planning and running.
+
+Host planning (`plan`) is kept apart from device work (`run`) so the runtime can
+plan once per layout per forward, outside the compiled region, and every layer
+only runs. Quirks handled here (see shared/NOTES.md):
+
+* `q_data_type` defaults to float16 in FlashInfer: always pass the real dtype.
+* FlashInfer's fa2 is wrong or crashes for head dims other than 64/128/256, and
+  fa3 only has those: q/k/v are zero-padded to the next supported dim, planned
+  with the true dim's scale, and the output sliced back.
+* Rows that see no key (empty k/v segment, causal with Lq > Lk) are zeroed
+  explicitly from indices computed on the host at plan time, whatever the kernel
+  leaves there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "PADDED_HEAD_DIMS",
+    "available",
+    "padded_head_dim",
+    "supports",
+    "choose_backend",
+    "make_wrapper",
+    "plan",
+    "run",
+]
+
+PADDED_HEAD_DIMS = (64, 128, 256)
+DTYPES = (torch.float16, torch.bfloat16)
+# fa2 beat fa3 on many short segments (NOTES: ~250 segments of 16-256 tokens);
+# fa3 wins clearly once segments are long. Mean k/v tokens per segment below
+# this picks fa2 under backend="auto".
+AUTO_FA2_BELOW_MEAN_KV = 256
+
+
+@functools.cache
+def available() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA install underneath it
+        return False
+    return True
+
+
+def padded_head_dim(head_dim: int) -> int | None:
+    """The smallest FlashInfer head dim >= head_dim, or None above 256."""
+    for d in PADDED_HEAD_DIMS:
+        if head_dim <= d:
+            return d
+    return None
+
+
+def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    return dtype in DTYPES and padded_head_dim(head_dim) is not None and available()
+
+
+@functools.cache
+def _is_sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def choose_backend(requested: str, device: torch.device, n: int, total_k: int) -> str:
+    """Resolve "auto" to "fa2" or "fa3" for one layout; pass others through."""
+    if requested != "auto":
+        return requested
+    if not _is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
+        return "fa2"
+    mean_kv = total_k / max(n, 1)
+    return "fa2" if mean_kv < AUTO_FA2_BELOW_MEAN_KV else "fa3"
+
+
+def make_wrapper(
+    workspace: torch.Tensor,
+    backend: str,
+    qo_indptr_buf: torch.Tensor | None = None,
+    kv_indptr_buf: torch.Tensor | None = None,
+):
+    """A ragged prefill wrapper; CUDA-graph mode when static indptr buffers are given."""
+    import flashinfer
+
+    graph = qo_indptr_buf is not None
+    return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+        workspace,
+        kv_layout="NHD",
+        backend=backend,
+        use_cuda_graph=graph,
+        qo_indptr_buf=qo_indptr_buf,
+        kv_indptr_buf=kv_indptr_buf,
+    )
+
+
+def plan(wrapper, cu_q_host, cu_k_host, hq, hkv, head_dim, dtype, causal, scale) -> None:
+    """Host-side planning; `cu_*_host` are int32 CPU (ideally pinned) offsets."""
+    wrapper.plan(
+        cu_q_host,
+        cu_k_host,
+        hq,
+        hkv,
+        padded_head_dim(head_dim),
+        causal=causal,
+        sm_scale=scale,  # the true dim's scale, not the padded one's
+        q_data_type=dtype,
+        kv_data_type=dtype,
+        o_data_type=dtype,
+        non_blocking=True,
+    )
+
+
+def _prepare(x: torch.Tensor, dp: int) -> torch.Tensor:
+    if x.shape[-1] != dp:
+        return F.pad(x, (0, dp - x.shape[-1]))
+    if x.stride(-1) != 1:
+        return x.contiguous()
+    return x
+
+
+def run(wrapper, q, k, v, zero_rows: torch.Tensor | None) -> torch.Tensor:
+    """Device work only: no host sync, no planning."""
+    d = q.shape[-1]
+    dp = padded_head_dim(d)
+    out = wrapper.run(_prepare(q, dp), _prepare(k, dp), _prepare(v, dp))
+    if zero_rows is not None:
+        out.index_fill_(0, zero_rows, 0)
+    if dp != d:
+        out = out[..., :d].contiguous()
+    return out

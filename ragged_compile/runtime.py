@@ -1,0 +1,325 @@
+"""The runtime manager: owns FlashInfer wrappers and workspaces, and plans
+outside the compiled region, once per layout per forward.
+
+How the op's CUDA kernel finds its plan with no host work on the hot path:
+
+* A *step* (``with runtime.step(...)``) spans one forward. ``ragged_compile.compile``
+  opens one around every call of the compiled model, outside the compiled region.
+* Within a step, a layout is known either from host lengths given to ``step()``
+  (no device-to-host sync at all) or, the first time a ``cu_seqlens`` tensor is
+  seen, by copying it to the host once (one sync per distinct layout per step).
+* Plans are cached per (layout, heads, head dim, dtype, causal, scale, backend)
+  for the step, so a 24-layer model plans once, not 24 times.
+* The step holds a reference to every ``cu_seqlens`` tensor it has identified,
+  keyed by (data pointer, version counter): the memory cannot be reused for
+  other offsets while the step lives, and in-place edits bump the version. A
+  plan therefore never outlives its step, and a new step never sees an old plan:
+  two forwards with equal totals and different layouts each get their own.
+
+Matching a tensor against lengths given to ``step()`` is by (segments, q tokens,
+k tokens) alone; where two declared layouts share those, the kernel falls back
+to reading the offsets (counted as a sync). Under ``RAGGED_COMPILE_DEBUG=1``
+every match is also checked against the tensor's values.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import warnings
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from .backends import flashinfer as fi
+from .reference import reference_attention
+from .validation import check_cu_seqlens_values, debug_checks
+
+__all__ = ["Runtime", "Layout", "get_runtime", "current_step"]
+
+log = logging.getLogger("ragged_compile")
+
+_WORKSPACE_BYTES = 256 << 20
+_WRAPPERS_PER_CONFIG = 8  # beyond this a step waits for an old plan's copy to land
+_ids = itertools.count()
+
+
+def _as_offsets(lengths) -> torch.Tensor:
+    lens = torch.as_tensor(lengths, dtype=torch.int64, device="cpu").flatten()
+    if bool((lens < 0).any()):
+        raise ValueError(f"segment lengths must be >= 0, got {lens.tolist()}")
+    cu = torch.zeros(lens.numel() + 1, dtype=torch.int32)
+    torch.cumsum(lens, 0, out=cu[1:])
+    return cu
+
+
+@dataclass
+class Layout:
+    """One segment layout, as host offsets (int32, pinned when CUDA is up)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    id: int = field(default_factory=lambda: next(_ids))
+
+    def __post_init__(self):
+        if torch.cuda.is_available():
+            self.cu_q, self.cu_k = self.cu_q.pin_memory(), self.cu_k.pin_memory()
+        self.n = self.cu_q.numel() - 1
+        self.total_q = int(self.cu_q[-1])
+        self.total_k = int(self.cu_k[-1])
+        self._zero_rows: dict[tuple, torch.Tensor | None] = {}
+        self._device_cu: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def from_lengths(cls, seq_lens_q, seq_lens_k=None) -> Layout:
+        cu_q = _as_offsets(seq_lens_q)
+        cu_k = cu_q if seq_lens_k is None else _as_offsets(seq_lens_k)
+        if cu_k.numel() != cu_q.numel():
+            raise ValueError(
+                f"seq_lens_q has {cu_q.numel() - 1} segments but seq_lens_k has "
+                f"{cu_k.numel() - 1}; pair each q segment with one k/v segment"
+            )
+        return cls(cu_q, cu_k)
+
+    def zero_rows(self, causal: bool, device: torch.device) -> torch.Tensor | None:
+        """Indices of q rows that see no key, on `device`; None if there are none."""
+        key = (causal, device)
+        if key not in self._zero_rows:
+            lq = (self.cu_q[1:] - self.cu_q[:-1]).long()
+            lk = (self.cu_k[1:] - self.cu_k[:-1]).long()
+            blind = torch.where(lk == 0, lq, (lq - lk).clamp(min=0) if causal else 0)
+            starts = self.cu_q[:-1].long()
+            rows = torch.repeat_interleave(starts, blind) + (
+                torch.arange(int(blind.sum())) - torch.repeat_interleave(torch.cumsum(blind, 0) - blind, blind)
+            )
+            self._zero_rows[key] = (
+                rows.pin_memory().to(device, non_blocking=True) if rows.numel() else None
+            )
+        return self._zero_rows[key]
+
+    def device_offsets(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._device_cu:
+            self._device_cu[device] = (
+                self.cu_q.to(device, non_blocking=True),
+                self.cu_k.to(device, non_blocking=True),
+            )
+        return self._device_cu[device]
+
+
+class _Slot:
+    """A wrapper plus the event that marks its last plan's host-to-device copy."""
+
+    def __init__(self, wrapper):
+        self.wrapper = wrapper
+        self.event: torch.cuda.Event | None = None
+        self.last_used = 0
+
+
+class _Step:
+    def __init__(self, runtime: Runtime, declared: list[Layout]):
+        self.runtime = runtime
+        self.declared = declared
+        self.by_tensor: dict[tuple, Layout] = {}
+        self.held: list[torch.Tensor] = []  # keeps identified offsets' memory from reuse
+        self.plans: dict[tuple, tuple[_Slot, Layout]] = {}
+        self.slots: list[_Slot] = []
+
+    def layout_for(self, cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int) -> Layout:
+        key = (cu_q.data_ptr(), cu_q._version, cu_q.numel(), cu_k.data_ptr(), cu_k._version, cu_k.numel())
+        layout = self.by_tensor.get(key)
+        if layout is not None:
+            return layout
+        n = cu_q.numel() - 1
+        matches = [
+            lay
+            for lay in self.declared
+            if lay.n == n and lay.total_q == total_q and lay.total_k == total_k
+        ]
+        stats = self.runtime.stats
+        if len(matches) == 1 and not debug_checks():
+            layout = matches[0]
+        else:
+            # Read the offsets once; validated here because this is host work anyway.
+            stats["syncs"] += 1
+            host_q = cu_q.to("cpu", torch.int32)
+            host_k = host_q if cu_k is cu_q else cu_k.to("cpu", torch.int32)
+            check_cu_seqlens_values(host_q, total_q, "cu_seqlens_q")
+            check_cu_seqlens_values(host_k, total_k, "cu_seqlens_k")
+            if len(matches) == 1 and not (
+                torch.equal(matches[0].cu_q, host_q) and torch.equal(matches[0].cu_k, host_k)
+            ):
+                raise ValueError(
+                    "the offsets the model passed do not match the lengths given to "
+                    "Runtime.step(); pass the lengths of this forward's batch"
+                )
+            layout = matches[0] if len(matches) == 1 else Layout(host_q, host_k)
+        self.by_tensor[key] = layout
+        self.held += [cu_q, cu_k]
+        return layout
+
+
+_local = threading.local()
+
+
+def current_step() -> _Step | None:
+    stack = getattr(_local, "steps", None)
+    return stack[-1] if stack else None
+
+
+class Runtime:
+    """Owns FlashInfer wrappers and workspaces for one CUDA device.
+
+    Args:
+        device: the CUDA device (default: the current one).
+        backend: ``"auto"`` (fa3 on SM90 for long segments, fa2 otherwise),
+            ``"fa2"`` or ``"fa3"``.
+        workspace_bytes: FlashInfer float workspace, shared by this runtime's
+            wrappers (they run one after another on the stream).
+
+    ``stats`` counts ``plans``, ``syncs`` (device-to-host reads of offsets),
+    ``waits`` (a plan that had to wait for an earlier plan's copy),
+    ``flashinfer`` and ``reference`` calls.
+    """
+
+    def __init__(self, device=None, *, backend: str = "auto", workspace_bytes: int = _WORKSPACE_BYTES):
+        if backend not in ("auto", "fa2", "fa3"):
+            raise ValueError(f"backend must be 'auto', 'fa2' or 'fa3', got {backend!r}")
+        self.device = torch.device(device if device is not None else "cuda")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.backend = backend
+        self.workspace_bytes = workspace_bytes
+        self.stats: Counter = Counter()
+        self._workspace: torch.Tensor | None = None
+        self._pool: dict[tuple, list[_Slot]] = {}
+        self._tick = 0
+        self._warned: set[str] = set()
+
+    # -- steps ---------------------------------------------------------------
+    @contextmanager
+    def step(self, seq_lens_q=None, seq_lens_k=None):
+        """Scope one forward: plans made inside are reused by every layer.
+
+        ``seq_lens_q`` / ``seq_lens_k``: host-side segment lengths (list or CPU
+        tensor) of this forward's batch, if known; then finding the layout costs
+        no device-to-host sync. With ``seq_lens_k`` the step knows the cross
+        layout (q, k) and both self layouts (q, q) and (k, k).
+        """
+        declared = []
+        if seq_lens_q is not None:
+            lay = Layout.from_lengths(seq_lens_q, seq_lens_k)
+            declared.append(lay)
+            if seq_lens_k is not None:
+                declared += [Layout(lay.cu_q, lay.cu_q), Layout(lay.cu_k, lay.cu_k)]
+        step = _Step(self, declared)
+        stack = _local.__dict__.setdefault("steps", [])
+        stack.append(step)
+        try:
+            yield step
+        finally:
+            stack.pop()
+            for slot in step.slots:
+                slot.last_used = self._tick
+            self._tick += 1
+
+    # -- the op's CUDA kernel ------------------------------------------------
+    def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float) -> torch.Tensor:
+        total_q, total_k = q.shape[0], k.shape[0]
+        reason = self._unsupported(q)
+        if reason is not None:
+            self._warn_once(reason)
+            self.stats["reference"] += 1
+            return reference_attention(q, k, v, cu_q, cu_k, causal, scale)
+        step = current_step()
+        if step is None or step.runtime is not self:
+            with self.step():
+                return self.attention(q, k, v, cu_q, cu_k, causal, scale)
+        layout = step.layout_for(cu_q, cu_k, total_q, total_k)
+        if debug_checks():
+            dq, dk = layout.device_offsets(q.device)
+            if not (torch.equal(dq, cu_q.to(dq.dtype)) and torch.equal(dk, cu_k.to(dk.dtype))):
+                raise ValueError("cu_seqlens do not match the layout planned for this step")
+        if total_q == 0:
+            return q.new_empty(q.shape)
+        if total_k == 0:
+            return q.new_zeros(q.shape)
+        slot = self._plan(step, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale)
+        self.stats["flashinfer"] += 1
+        return fi.run(slot.wrapper, q, k, v, layout.zero_rows(causal, q.device))
+
+    # -- planning -------------------------------------------------------------
+    def _plan(self, step: _Step, layout: Layout, hq, hkv, d, dtype, causal, scale) -> _Slot:
+        backend = fi.choose_backend(self.backend, self.device, layout.n, layout.total_k)
+        key = (layout.id, hq, hkv, d, dtype, causal, scale, backend)
+        hit = step.plans.get(key)
+        if hit is not None:
+            return hit[0]
+        slot = self._acquire(step, (backend, hq, hkv, fi.padded_head_dim(d), dtype, causal))
+        fi.plan(slot.wrapper, layout.cu_q, layout.cu_k, hq, hkv, d, dtype, causal, scale)
+        slot.event = torch.cuda.Event()
+        slot.event.record()
+        self.stats["plans"] += 1
+        step.plans[key] = (slot, layout)
+        return slot
+
+    def _acquire(self, step: _Step, config: tuple) -> _Slot:
+        """A wrapper of this config not used in this step, whose last plan's copy
+        has landed: FlashInfer stages the plan in a pinned buffer per wrapper, and
+        re-planning while that copy is in flight would corrupt it."""
+        pool = self._pool.setdefault(config, [])
+        free = sorted((s for s in pool if s not in step.slots), key=lambda s: s.last_used)
+        slot = next((s for s in free if s.event is None or s.event.query()), None)
+        if slot is None and len(pool) < _WRAPPERS_PER_CONFIG:
+            slot = _Slot(fi.make_wrapper(self._get_workspace(), config[0]))
+            pool.append(slot)
+        if slot is None:
+            if not free:
+                raise RuntimeError(
+                    f"more than {_WRAPPERS_PER_CONFIG} layouts of one configuration in one step"
+                )
+            slot = free[0]
+            self.stats["waits"] += 1
+            slot.event.synchronize()
+        step.slots.append(slot)
+        return slot
+
+    def _get_workspace(self) -> torch.Tensor:
+        if self._workspace is None:
+            self._workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+        return self._workspace
+
+    def _unsupported(self, q: torch.Tensor) -> str | None:
+        if not fi.available():
+            return "flashinfer is not importable: CUDA ragged attention runs the reference kernel"
+        if q.dtype not in fi.DTYPES:
+            return (
+                f"FlashInfer takes float16/bfloat16, got {q.dtype}: running the (slow, exact) "
+                f"reference kernel; cast q/k/v to bfloat16 for FlashInfer speed"
+            )
+        if fi.padded_head_dim(q.shape[-1]) is None:
+            return (
+                f"head_dim {q.shape[-1]} > 256 is beyond FlashInfer: running the (slow, exact) "
+                f"reference kernel"
+            )
+        return None
+
+    def _warn_once(self, msg: str) -> None:
+        if msg not in self._warned:
+            self._warned.add(msg)
+            warnings.warn(msg, stacklevel=3)
+
+
+_runtimes: dict[torch.device, Runtime] = {}
+
+
+def get_runtime(device: torch.device) -> Runtime:
+    """The runtime of the innermost active step on `device`, else that device's default."""
+    step = current_step()
+    if step is not None and step.runtime.device == device:
+        return step.runtime
+    if device not in _runtimes:
+        _runtimes[device] = Runtime(device)
+    return _runtimes[device]

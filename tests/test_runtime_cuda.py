@@ -1,0 +1,192 @@
+"""The FlashInfer kernel through the runtime, against the float32 reference (CUDA only)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import ragged_compile as rc
+from ragged_compile.backends import flashinfer as fi
+from ragged_compile.reference import reference_attention
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _cu(lens, device="cuda"):
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
+    return cu.to(device)
+
+
+def _case(lq, lk, hq, hkv, d, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(sum(lq), hq, d, device="cuda", generator=g).to(dtype)
+    k = torch.randn(sum(lk), hkv, d, device="cuda", generator=g).to(dtype)
+    v = torch.randn(sum(lk), hkv, d, device="cuda", generator=g).to(dtype)
+    return q, k, v, _cu(lq), _cu(lk)
+
+
+def _check(out, q, k, v, cu_q, cu_k, causal, scale=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    ref = reference_attention(q.float(), k.float(), v.float(), cu_q, cu_k, causal, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref).abs().max().item() if out.numel() else 0.0
+    assert err < 2e-2, err
+
+
+LAYOUTS = {
+    "mixed": ([64, 1, 0, 300, 17, 1024], None),
+    "one_token": ([1] * 40, None),
+    "empty_kv": ([5, 7, 9], [0, 12, 0]),
+    "cross_short_q": ([1, 1, 1, 1], [77, 0, 300, 5]),
+    "q_longer": ([40, 9, 100], [10, 9, 3]),
+    "full_long": ([2048, 2048], None),
+}
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads,d", [((8, 8), 64), ((8, 2), 128), ((4, 1), 72), ((6, 3), 80), ((4, 4), 96)])
+def test_matches_reference(backend, layout, causal, heads, d):
+    if backend == "fa3" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("fa3 needs SM90")
+    lq, lk = LAYOUTS[layout]
+    lk = lq if lk is None else lk
+    q, k, v, cu_q, cu_k = _case(lq, lk, *heads, d)
+    runtime = rc.Runtime(backend=backend)
+    with runtime.step():
+        out = runtime.attention(q, k, v, cu_q, cu_k, causal, d**-0.5)
+    _check(out, q, k, v, cu_q, cu_k, causal)
+    assert runtime.stats["flashinfer"] == 1 and runtime.stats["reference"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_public_function_on_cuda(dtype):
+    q, k, v, cu_q, cu_k = _case([3, 0, 50, 1], [9, 4, 0, 1], 8, 4, 64, dtype)
+    for causal in (False, True):
+        out = rc.ragged_attention(q, k, v, cu_q, cu_k, causal=causal, scale=0.2)
+        _check(out, q, k, v, cu_q, cu_k, causal, 0.2)
+
+
+def test_one_plan_per_layout_per_step_and_no_sync_with_host_lengths():
+    lens = [100, 3, 0, 250, 1]
+    q, k, v, cu, _ = _case(lens, lens, 8, 8, 64)
+    runtime = rc.Runtime()
+    with runtime.step(lens):
+        outs = [runtime.attention(q, k, v, cu, cu, False, 0.125) for _ in range(24)]
+    assert runtime.stats["plans"] == 1
+    assert runtime.stats["syncs"] == 0
+    for out in outs[:2]:
+        _check(out, q, k, v, cu, cu, False, 0.125)
+
+
+def test_one_sync_per_layout_from_device_offsets():
+    lens = [100, 3, 0, 250, 1]
+    q, k, v, cu, _ = _case(lens, lens, 8, 8, 64)
+    runtime = rc.Runtime()
+    with runtime.step():
+        for _ in range(24):
+            runtime.attention(q, k, v, cu, cu, True, 0.125)
+    assert runtime.stats["plans"] == 1
+    assert runtime.stats["syncs"] == 1
+
+
+def test_equal_totals_different_layouts_never_reuse_a_plan():
+    runtime = rc.Runtime()
+    for lens in ([10, 20, 30], [30, 20, 10], [59, 0, 1], [1, 58, 1]):
+        q, k, v, cu, _ = _case(lens, lens, 4, 4, 64, seed=sum(l * i for i, l in enumerate(lens)))
+        with runtime.step():
+            out = runtime.attention(q, k, v, cu, cu, True, 0.125)
+        _check(out, q, k, v, cu, cu, True, 0.125)
+    # Same offsets tensor memory reused across steps with new contents:
+    cu = _cu([10, 20, 30])
+    q, k, v, _, _ = _case([10, 20, 30], [10, 20, 30], 4, 4, 64)
+    with runtime.step():
+        a = runtime.attention(q, k, v, cu, cu, True, 0.125)
+    cu.copy_(_cu([30, 20, 10]))
+    with runtime.step():
+        b = runtime.attention(q, k, v, cu, cu, True, 0.125)
+    _check(b, q, k, v, cu, cu, True, 0.125)
+    assert not torch.equal(a, b)
+
+
+def test_step_lengths_that_do_not_match_are_caught_in_debug_mode():
+    lens = [10, 20, 30]
+    q, k, v, cu, _ = _case(lens, lens, 4, 4, 64)
+    runtime = rc.Runtime()
+    rc.set_debug_checks(True)
+    try:
+        with pytest.raises(ValueError, match="step"):
+            with runtime.step([30, 20, 10]):
+                runtime.attention(q, k, v, cu, cu, False, 0.125)
+    finally:
+        rc.set_debug_checks(False)
+
+
+def test_cross_layout_declared_in_step_needs_no_sync():
+    lq, lk = [1, 1, 2], [30, 0, 40]
+    q, k, v, cu_q, cu_k = _case(lq, lk, 8, 2, 128)
+    runtime = rc.Runtime()
+    with runtime.step(lq, lk):
+        out = runtime.attention(q, k, v, cu_q, cu_k, False, 128**-0.5)
+        selfq = runtime.attention(q, q[:, :2], q[:, :2], cu_q, cu_q, False, 128**-0.5)
+    assert runtime.stats["syncs"] == 0 and runtime.stats["plans"] == 2
+    _check(out, q, k, v, cu_q, cu_k, False)
+    _check(selfq, q, q[:, :2], q[:, :2], cu_q, cu_q, False)
+
+
+def test_float32_and_huge_head_dim_run_the_reference_with_a_warning():
+    q, k, v, cu, _ = _case([5, 6], [5, 6], 2, 2, 64, torch.float32)
+    runtime = rc.Runtime()
+    with pytest.warns(UserWarning, match="float16/bfloat16"):
+        out = runtime.attention(q, k, v, cu, cu, False, 0.125)
+    _check(out, q, k, v, cu, cu, False, 0.125)
+    q, k, v, cu, _ = _case([5, 6], [5, 6], 2, 2, 320)
+    with pytest.warns(UserWarning, match="256"):
+        runtime.attention(q, k, v, cu, cu, False, 0.125)
+    assert runtime.stats["reference"] == 2
+
+
+def test_compiled_function_plans_once_per_step():
+    lens = [100, 3, 0, 250, 1]
+    q, k, v, cu, _ = _case(lens, lens, 8, 8, 64)
+
+    def layers(q, k, v, cu):
+        x = q
+        for _ in range(6):
+            x = rc.ragged_attention(x, k, v, cu) + q
+        return x
+
+    compiled = torch.compile(layers, fullgraph=True)
+    from ragged_compile.runtime import get_runtime
+
+    rt = get_runtime(q.device)
+    compiled(q, k, v, cu)  # compile
+    before = dict(rt.stats)
+    with rt.step(lens):
+        out = compiled(q, k, v, cu)
+    assert rt.stats["plans"] - before.get("plans", 0) == 1
+    assert rt.stats["syncs"] - before.get("syncs", 0) == 0
+    with rt.step(lens):
+        eager = layers(q, k, v, cu)
+    torch.testing.assert_close(out, eager, atol=2e-2, rtol=2e-2)
+
+
+def test_fuzz_style_many_layouts_equal_totals():
+    torch.manual_seed(0)
+    runtime = rc.Runtime()
+    for i in range(50):
+        n = int(torch.randint(1, 40, ()))
+        cuts = torch.sort(torch.randint(0, 512, (n - 1,))).values.tolist()
+        lens = [b - a for a, b in zip([0] + cuts, cuts + [512])]
+        q, k, v, cu, _ = _case(lens, lens, 4, 2, 96, seed=i)
+        with runtime.step(lens):
+            out = runtime.attention(q, k, v, cu, cu, bool(i % 2), 96**-0.5)
+        _check(out, q, k, v, cu, cu, bool(i % 2), 96**-0.5)

@@ -55,7 +55,12 @@ def main(argv=None) -> int:
     out, ms = _time(lambda: ragged_attention(q, k, v, cu, causal=args.causal), device, reps=3)
     ref = dense_attention(q, k, v, cu.cpu(), cu.cpu(), args.causal, args.head_dim**-0.5)
     err = (out.cpu().double() - ref).abs().max().item() if total else 0.0
-    backend = "reference"
+    if device.type == "cuda":
+        from .runtime import get_runtime
+
+        backend = "flashinfer " + str(get_runtime(device).last_backend)
+    else:
+        backend = "reference (CPU kernel)"
     print(f"device     {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'})")
     print(f"backend    {backend}")
     print(f"segments   {args.segments} (lengths {int(lens.min())}..{int(lens.max())})")

@@ -90,7 +90,15 @@ def check_values(q, k, cu_seqlens_q, cu_seqlens_k):
     check_cu_seqlens_values(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
 
 
-@torch.library.custom_op("ragged_compile::ragged_attention", mutates_args=())
+# cudagraph_unsafe: the CUDA kernel looks its plan up on the host at every call.
+# A graph captured by torch.compile(mode="reduce-overhead") would freeze the plan
+# of the capture-time layout and replay it for any other layout of the same
+# shapes; with the tag, Inductor partitions the graph around this op instead.
+# CUDA-graph replay across layouts is the runtime's job (cudagraph.py).
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("ragged_compile::ragged_attention", mutates_args=(), tags=_TAGS)
 def _ragged_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -197,6 +197,7 @@ class Runtime:
         self._pool: dict[tuple, list[_Slot]] = {}
         self._tick = 0
         self._warned: set[str] = set()
+        self.last_backend: str | None = None  # what the last call ran: "fa2", "fa3", "reference"
 
     # -- steps ---------------------------------------------------------------
     @contextmanager
@@ -232,6 +233,7 @@ class Runtime:
         if reason is not None:
             self._warn_once(reason)
             self.stats["reference"] += 1
+            self.last_backend = "reference"
             return reference_attention(q, k, v, cu_q, cu_k, causal, scale)
         step = current_step()
         if step is None or step.runtime is not self:
@@ -253,6 +255,7 @@ class Runtime:
     # -- planning -------------------------------------------------------------
     def _plan(self, step: _Step, layout: Layout, hq, hkv, d, dtype, causal, scale) -> _Slot:
         backend = fi.choose_backend(self.backend, self.device, layout.n, layout.total_k)
+        self.last_backend = backend
         key = (layout.id, hq, hkv, d, dtype, causal, scale, backend)
         hit = step.plans.get(key)
         if hit is not None:

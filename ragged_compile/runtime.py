@@ -160,8 +160,35 @@ class _Step:
         self.held += [cu_q, cu_k]
         return layout
 
+    def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float) -> torch.Tensor:
+        total_q, total_k = q.shape[0], k.shape[0]
+        layout = self.layout_for(cu_q, cu_k, total_q, total_k)
+        if debug_checks():
+            dq, dk = layout.device_offsets(q.device)
+            if not (torch.equal(dq, cu_q.to(dq.dtype)) and torch.equal(dk, cu_k.to(dk.dtype))):
+                raise ValueError("cu_seqlens do not match the layout planned for this step")
+        if total_q == 0:
+            return q.new_empty(q.shape)
+        if total_k == 0:
+            return q.new_zeros(q.shape)
+        rt = self.runtime
+        slot = rt._plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale)
+        rt.stats["flashinfer"] += 1
+        return fi.run(slot.wrapper, q, k, v, layout.zero_rows(causal, q.device))
+
 
 _local = threading.local()
+
+
+@contextmanager
+def _activate(step):
+    """Make `step` the one the op's CUDA kernel sees on this thread."""
+    stack = _local.__dict__.setdefault("steps", [])
+    stack.append(step)
+    try:
+        yield step
+    finally:
+        stack.pop()
 
 
 def current_step() -> _Step | None:
@@ -216,19 +243,23 @@ class Runtime:
             if seq_lens_k is not None:
                 declared += [Layout(lay.cu_q, lay.cu_q), Layout(lay.cu_k, lay.cu_k)]
         step = _Step(self, declared)
-        stack = _local.__dict__.setdefault("steps", [])
-        stack.append(step)
         try:
-            yield step
+            with _activate(step):
+                yield step
         finally:
-            stack.pop()
             for slot in step.slots:
                 slot.last_used = self._tick
             self._tick += 1
 
+    def graphed(self, model, buckets):
+        """Run ``model(x, cu_seqlens[, kv, cu_seqlens_k])`` under CUDA graphs,
+        one capture per bucket, re-planned before every replay: see cudagraph.py."""
+        from .cudagraph import GraphedModel
+
+        return GraphedModel(model, buckets, runtime=self)
+
     # -- the op's CUDA kernel ------------------------------------------------
     def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float) -> torch.Tensor:
-        total_q, total_k = q.shape[0], k.shape[0]
         reason = self._unsupported(q)
         if reason is not None:
             self._warn_once(reason)
@@ -239,18 +270,7 @@ class Runtime:
         if step is None or step.runtime is not self:
             with self.step():
                 return self.attention(q, k, v, cu_q, cu_k, causal, scale)
-        layout = step.layout_for(cu_q, cu_k, total_q, total_k)
-        if debug_checks():
-            dq, dk = layout.device_offsets(q.device)
-            if not (torch.equal(dq, cu_q.to(dq.dtype)) and torch.equal(dk, cu_k.to(dk.dtype))):
-                raise ValueError("cu_seqlens do not match the layout planned for this step")
-        if total_q == 0:
-            return q.new_empty(q.shape)
-        if total_k == 0:
-            return q.new_zeros(q.shape)
-        slot = self._plan(step, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale)
-        self.stats["flashinfer"] += 1
-        return fi.run(slot.wrapper, q, k, v, layout.zero_rows(causal, q.device))
+        return step.attention(q, k, v, cu_q, cu_k, causal, scale)
 
     # -- planning -------------------------------------------------------------
     def _plan(self, step: _Step, layout: Layout, hq, hkv, d, dtype, causal, scale) -> _Slot:
@@ -295,16 +315,19 @@ class Runtime:
         return self._workspace
 
     def _unsupported(self, q: torch.Tensor) -> str | None:
+        return self._unsupported_dtype_dim(q.dtype, q.shape[-1])
+
+    def _unsupported_dtype_dim(self, dtype: torch.dtype, head_dim: int) -> str | None:
         if not fi.available():
             return "flashinfer is not importable: CUDA ragged attention runs the reference kernel"
-        if q.dtype not in fi.DTYPES:
+        if dtype not in fi.DTYPES:
             return (
-                f"FlashInfer takes float16/bfloat16, got {q.dtype}: running the (slow, exact) "
+                f"FlashInfer takes float16/bfloat16, got {dtype}: running the (slow, exact) "
                 f"reference kernel; cast q/k/v to bfloat16 for FlashInfer speed"
             )
-        if fi.padded_head_dim(q.shape[-1]) is None:
+        if fi.padded_head_dim(head_dim) is None:
             return (
-                f"head_dim {q.shape[-1]} > 256 is beyond FlashInfer: running the (slow, exact) "
+                f"head_dim {head_dim} > 256 is beyond FlashInfer: running the (slow, exact) "
                 f"reference kernel"
             )
         return None

@@ -1,0 +1,221 @@
+"""CUDA-graph mode vs eager: host time per step, wall time, captures, overlap.
+
+    python bench/bench_cudagraph.py [--out bench/results] [--smoke]
+
+Per layout (~250 segments of 16-256 tokens; 16 segments of 64-4096) and model
+(one attention layer; the 8-layer pre-norm encoder, d=2048, 16 heads, MLP x4,
+bf16), side by side in one process:
+
+* eager: ``with runtime.step(lens): model(x, cu)`` (eager and torch.compile'd);
+* graphed: ``runtime.graphed(model, buckets)(x, cu_host)``.
+
+For each: wall ms per step over back-to-back steps with a new layout each step
+(same bucket, different layouts), host ms per step (time until the call
+returns, no sync), GPU ms per step (CUDA events around the replay / forward),
+captures, plans, waits. ``overlap`` is the share of host planning hidden
+behind GPU work: (host + gpu - wall) / host, clipped to [0, 1].
+Writes bench/results/cudagraph.json and cudagraph.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import ragged_compile as rc  # noqa: E402
+from env import environment  # noqa: E402
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, d, heads, mlp=4):
+        super().__init__()
+        self.heads, self.hd = heads, d // heads
+        self.n1, self.n2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.o = torch.nn.Linear(d, d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, mlp * d), torch.nn.GELU(), torch.nn.Linear(mlp * d, d))
+
+    def forward(self, x, cu):
+        q, k, v = self.qkv(self.n1(x)).unflatten(-1, (3, self.heads, self.hd)).unbind(1)
+        x = x + self.o(rc.ragged_attention(q, k, v, cu).flatten(1))
+        return x + self.mlp(self.n2(x))
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self, d=2048, heads=16, layers=8):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Layer(d, heads) for _ in range(layers))
+
+    def forward(self, x, cu):
+        for layer in self.layers:
+            x = layer(x, cu)
+        return x
+
+
+def random_lens(gen, n, lo, hi, total=None):
+    lens = torch.randint(lo, hi + 1, (n,), generator=gen)
+    if total is not None:  # rescale to a fixed total so every step fits one bucket
+        lens = (lens.double() * total / lens.sum()).floor().long().clamp(min=1)
+    return lens.tolist()
+
+
+def cu_of(lens):
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+    return cu
+
+
+def measure(call, layouts, device, d, dtype):
+    """Back-to-back steps over `layouts`; returns wall/host/gpu ms per step."""
+    xs = [torch.randn(sum(l), d, device=device, dtype=dtype) for l in layouts]
+    cus = [cu_of(l) for l in layouts]
+    call(xs[0], cus[0], layouts[0])  # warm
+    torch.cuda.synchronize()
+    host = []
+    starts, ends = [], []
+    t0 = time.perf_counter()
+    for x, cu, lens in zip(xs, cus, layouts):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        h0 = time.perf_counter()
+        s.record()
+        call(x, cu, lens)
+        e.record()
+        host.append((time.perf_counter() - h0) * 1e3)
+        starts.append(s)
+        ends.append(e)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3 / len(layouts)
+    gpu = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    h = statistics.median(host)
+    return {
+        "wall_ms": round(wall, 3),
+        "host_ms": round(h, 3),
+        "gpu_ms": round(gpu, 3),
+        "wall_minus_gpu_ms": round(wall - gpu, 3),
+    }
+
+
+def gpu_only(call, layouts, device, d, dtype, reps=5):
+    """GPU time of one step when the host is not the bottleneck: events around
+    a step issued after a sync, so the queue is empty and only kernels count."""
+    x = torch.randn(sum(layouts[0]), d, device=device, dtype=dtype)
+    cu = cu_of(layouts[0])
+    times = []
+    for _ in range(reps):
+        call(x, cu, layouts[0])
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000)  # queue work so launches land before the GPU gets there
+        s.record()
+        call(x, cu, layouts[0])
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return round(statistics.median(times), 3)
+
+
+def run_case(name, model, layouts, bucket, d, dtype, compiled):
+    device = torch.device("cuda")
+    rt = rc.Runtime()
+    m = torch.compile(model, fullgraph=True) if compiled else model
+    row = {"case": name, "compiled": compiled, "segments": len(layouts[0]),
+           "tokens": sum(layouts[0]), "steps": len(layouts)}
+
+    def eager(x, cu, lens):
+        with rt.step(lens):
+            return m(x, cu.to(device, non_blocking=True))
+
+    with torch.no_grad():
+        rt.stats.clear()
+        row["eager"] = measure(eager, layouts, device, d, dtype)
+        row["eager"]["gpu_ms_queued"] = gpu_only(eager, layouts, device, d, dtype)
+        row["eager"]["plans_per_step"] = round(rt.stats["plans"] / (len(layouts) + 1), 2)
+        row["eager"]["syncs_per_step"] = round(rt.stats["syncs"] / (len(layouts) + 1), 2)
+        g = rt.graphed(m, [bucket])
+
+        def graphed(x, cu, lens):
+            return g(x, cu)
+
+        row["graphed"] = measure(graphed, layouts, device, d, dtype)
+        row["graphed"]["gpu_ms_queued"] = gpu_only(graphed, layouts, device, d, dtype)
+        row["graphed"].update({k: g.stats[k] for k in ("captures", "replays", "plans", "waits", "syncs", "eager")})
+        x = torch.randn(sum(layouts[-1]), d, device=device, dtype=dtype)
+        cu = cu_of(layouts[-1])
+        err = (g(x, cu).float() - eager(x, cu, layouts[-1]).float()).abs().max().item()
+        row["max_diff_graphed_vs_eager"] = err
+    for mode in ("eager", "graphed"):
+        r = row[mode]
+        r["overlap"] = round(min(1.0, max(0.0, (r["host_ms"] + r["gpu_ms_queued"] - r["wall_ms"]) / max(r["host_ms"], 1e-9))), 3)
+        r["wall_minus_gpu_queued_ms"] = round(r["wall_ms"] - r["gpu_ms_queued"], 3)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA; nothing to measure here")
+        return 0
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16
+    steps = 20 if args.smoke else args.steps
+    short = [random_lens(gen, 250, 16, 256, total=34000) for _ in range(steps)]
+    mixed = [random_lens(gen, 16, 64, 4096, total=34000) for _ in range(steps)]
+    rows = []
+    cases = [
+        ("attention_1layer_short250", lambda: Layer(2048, 16), short, (256, 34000), 2048),
+        ("encoder8_short250", lambda: Encoder(), short, (256, 34000), 2048),
+        ("encoder8_mixed16", lambda: Encoder(), mixed, (16, 34000), 2048),
+    ]
+    if args.smoke:
+        cases = [("smoke", lambda: Encoder(256, 4, 2), [l[:8] for l in short], (8, 34000), 256)]
+    for name, make, layouts, bucket, d in cases:
+        for compiled in (False, True):
+            try:
+                model = make().to("cuda", dtype).eval()
+                rows.append(run_case(name, model, layouts, bucket, d, dtype, compiled))
+            except Exception as e:  # noqa: BLE001 - record and go on
+                traceback.print_exc()
+                rows.append({"case": name, "compiled": compiled, "error": repr(e)})
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"environment": environment(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
+    (out / "cudagraph.json").write_text(json.dumps(result, indent=1))
+    lines = [
+        "| case | compiled | mode | wall ms/step | host ms/step | GPU ms/step (queued) | wall - GPU | overlap | captures | plans/step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['compiled']} | error: {r['error'][:80]} |")
+            continue
+        for mode in ("eager", "graphed"):
+            m = r[mode]
+            plans = m.get("plans_per_step", round(m.get("plans", 0) / max(m.get("replays", 1), 1), 2))
+            lines.append(
+                f"| {r['case']} | {r['compiled']} | {mode} | {m['wall_ms']} | {m['host_ms']} | "
+                f"{m['gpu_ms_queued']} | {m['wall_minus_gpu_queued_ms']} | {m['overlap']} | "
+                f"{m.get('captures', '-')} | {plans} |"
+            )
+    (out / "cudagraph.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

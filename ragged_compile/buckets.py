@@ -1,0 +1,119 @@
+"""Buckets of CUDA-graph mode: which bucket a layout takes and how it is padded.
+
+Pure host-side bookkeeping, no CUDA, so CI checks every rule of it on CPU.
+
+A bucket fixes what a captured graph can hold: at most ``max_segments``
+segments, ``max_tokens_q`` query tokens and ``max_tokens_k`` key/value tokens.
+A layout is padded to its bucket like this (S = max_segments, T = real tokens):
+
+* offsets get ``S + 2`` entries: the real segments, zero-length segments up to S
+  (the last real offset repeated), then one *padding segment* that holds the
+  rows ``T .. ceiling``, so every offset array ends at the bucket's ceiling and
+  matches the padded tensors the model sees. (The FlashInfer plan gives the
+  padding segment no keys, so padding rows cost no attention work: cudagraph.py.)
+* ``sees_key`` marks the query rows that see at least one key (real, non-empty
+  k/v segment, not above a bottom-right causal diagonal); every other row of the
+  attention output is written as zero inside the graph, so no NaN or stale value
+  can flow from padding into later layers (FlashInfer's fa3 reads whole K/V
+  tiles past a segment's end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Bucket", "PaddedLayout", "as_buckets", "choose_bucket", "pad_layout"]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    max_segments: int
+    max_tokens_q: int
+    max_tokens_k: int
+
+    def __post_init__(self):
+        for name in ("max_segments", "max_tokens_q", "max_tokens_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"bucket {name} must be >= 1, got {getattr(self, name)}")
+
+    def fits(self, n: int, total_q: int, total_k: int) -> bool:
+        return n <= self.max_segments and total_q <= self.max_tokens_q and total_k <= self.max_tokens_k
+
+    @property
+    def cost(self) -> tuple:
+        return (self.max_tokens_q + self.max_tokens_k, self.max_segments)
+
+
+def as_buckets(buckets) -> list[Bucket]:
+    """Buckets from ``Bucket``s or tuples ``(max_segments, max_tokens_q[, max_tokens_k])``."""
+    out = []
+    for b in buckets:
+        if isinstance(b, Bucket):
+            out.append(b)
+            continue
+        b = tuple(int(x) for x in b)
+        if len(b) not in (2, 3):
+            raise ValueError(
+                f"a bucket is (max_segments, max_tokens_q[, max_tokens_k]), got {b!r}"
+            )
+        out.append(Bucket(b[0], b[1], b[2] if len(b) == 3 else b[1]))
+    if not out:
+        raise ValueError("buckets must name at least one bucket")
+    return sorted(set(out), key=lambda b: b.cost)
+
+
+def choose_bucket(buckets: list[Bucket], n: int, total_q: int, total_k: int) -> Bucket | None:
+    """The cheapest bucket the layout fits in, or None when it fits in none."""
+    fitting = [b for b in buckets if b.fits(n, total_q, total_k)]
+    return min(fitting, key=lambda b: b.cost) if fitting else None
+
+
+@dataclass
+class PaddedLayout:
+    bucket: Bucket
+    n: int
+    total_q: int
+    total_k: int
+    cu_q: torch.Tensor  # int32 [S + 2]
+    cu_k: torch.Tensor  # int32 [S + 2]
+    sees_key: dict[bool, torch.Tensor]  # causal -> bool [max_tokens_q]
+
+
+def _pad_offsets(cu: torch.Tensor, slots: int, ceiling: int) -> torch.Tensor:
+    out = torch.empty(slots + 2, dtype=torch.int32)
+    n = cu.numel() - 1
+    out[: n + 1] = cu
+    out[n + 1 : slots + 1] = cu[-1]
+    out[slots + 1] = ceiling
+    return out
+
+
+def _sees_key(cu_q, cu_k, rows: int, causal: bool) -> torch.Tensor:
+    lq = (cu_q[1:] - cu_q[:-1]).long()
+    lk = (cu_k[1:] - cu_k[:-1]).long()
+    blind = torch.where(lk == 0, lq, (lq - lk).clamp(min=0) if causal else torch.zeros_like(lq))
+    # Per row: its segment's start plus blind count; a row sees a key iff its
+    # position within the segment is >= the blind rows at the segment's top.
+    seg = torch.repeat_interleave(torch.arange(lq.numel()), lq)
+    pos = torch.arange(seg.numel()) - cu_q[:-1].long()[seg]
+    mask = torch.zeros(rows, dtype=torch.bool)
+    mask[: seg.numel()] = pos >= blind[seg]
+    return mask
+
+
+def pad_layout(bucket: Bucket, cu_q: torch.Tensor, cu_k: torch.Tensor) -> PaddedLayout:
+    """Pad host offsets (int32/int64, CPU) to ``bucket``; the layout must fit."""
+    n = cu_q.numel() - 1
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    if not bucket.fits(n, total_q, total_k):
+        raise ValueError(
+            f"layout of {n} segments, {total_q} q tokens and {total_k} k/v tokens does not fit "
+            f"{bucket}; add a larger bucket"
+        )
+    S = bucket.max_segments
+    pq = _pad_offsets(cu_q.to(torch.int32), S, bucket.max_tokens_q)
+    pk = _pad_offsets(cu_k.to(torch.int32), S, bucket.max_tokens_k)
+    sees = {c: _sees_key(cu_q, cu_k, bucket.max_tokens_q, c) for c in (False, True)}
+    return PaddedLayout(bucket, n, total_q, total_k, pq, pk, sees)

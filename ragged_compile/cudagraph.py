@@ -1,0 +1,294 @@
+"""CUDA-graph mode: one capture per bucket, re-planned before every replay.
+
+``runtime.graphed(model, buckets)`` wraps a model that takes packed inputs,
+``model(x, cu_seqlens)`` or ``model(x, cu_seqlens, kv, cu_seqlens_k)``. Each call:
+
+1. reads the offsets on the host (free if they are CPU tensors, else one sync),
+   picks the cheapest bucket that fits (buckets.py) and pads the layout to it;
+2. the first time a bucket is used, allocates its static inputs, warms the model
+   up on a side stream (this is where ``torch.compile`` compiles) and captures it;
+3. copies the inputs into the static buffers, zeroes their padding rows, and
+   re-plans every FlashInfer wrapper of the bucket for the new layout: the
+   captured kernels read the plan from the wrappers' static buffers, so a replay
+   computes the new layout, never the one seen at capture;
+4. replays, and returns the real rows of the output (copied: the next replay
+   overwrites the static output).
+
+A layout larger than every bucket runs eagerly under ``runtime.step`` with the
+host lengths, so it costs no sync and is still correct.
+
+The traps this avoids (shared/NOTES.md): a graph keyed on total tokens with
+frozen offsets (every replay is re-planned); the first plan latching the row
+capacity (each wrapper is primed at its bucket's ceiling); NaN in padding
+poisoning the last segment (padding rows are zeroed, rows that see no key are
+written as zero inside the graph); a pinned staging buffer rewritten while its
+copy is in flight (each wrapper alternates between two staging buffers, and a
+buffer is reused only after the copy from it has run, so planning step N+1
+overlaps replay N).
+
+Why the runtime owns the graphs rather than ``torch.compile(mode=
+"reduce-overhead")``: a graph captured by Inductor would freeze the plan of the
+capture-time layout. The op is tagged ``cudagraph_unsafe`` so reduce-overhead
+partitions around it (attention then runs un-graphed, always correct).
+
+On CPU there is nothing to capture: the same bookkeeping runs and the model is
+called on the padded static buffers directly, which is what CI tests.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .backends import flashinfer as fi
+from .buckets import Bucket, PaddedLayout, as_buckets, choose_bucket, pad_layout
+from .runtime import Runtime, _activate, get_runtime
+from .validation import check_cu_seqlens_values
+
+__all__ = ["GraphedModel"]
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    return t.pin_memory() if torch.cuda.is_available() else t
+
+
+class _GraphSlot:
+    """A graph-mode wrapper for one (layout kind, head config) of a bucket."""
+
+    def __init__(self, wrapper, kind, config):
+        self.wrapper = wrapper
+        self.kind = kind  # ("q", "q"), ("q", "k") or ("k", "k")
+        self.config = config  # (hq, hkv, d, dtype, causal, scale)
+        pin = wrapper._pin_memory_int_workspace_buffer
+        self.staging = [pin, torch.empty_like(pin).pin_memory()]
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+
+
+class _Entry:
+    """Static buffers, wrappers and the captured graph of one bucket."""
+
+    def __init__(self, bucket: Bucket, x, kv, device):
+        self.bucket = bucket
+        S = bucket.max_segments
+        self.x = torch.zeros((bucket.max_tokens_q,) + tuple(x.shape[1:]), dtype=x.dtype, device=device)
+        self.cu = {"q": torch.zeros(S + 2, dtype=torch.int32, device=device)}
+        self.kv = None
+        if kv is not None:
+            self.kv = torch.zeros((bucket.max_tokens_k,) + tuple(kv.shape[1:]), dtype=kv.dtype, device=device)
+            self.cu["k"] = torch.zeros(S + 2, dtype=torch.int32, device=device)
+        self.slots: dict[tuple, _GraphSlot] = {}
+        self.masks: dict[tuple, torch.Tensor] = {}  # (kind, causal) -> bool [rows]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out = None
+        self.padded: PaddedLayout | None = None
+
+    def args(self):
+        if self.kv is None:
+            return (self.x, self.cu["q"])
+        return (self.x, self.cu["q"], self.kv, self.cu["k"])
+
+
+def _indptr(padded: PaddedLayout, kind) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer indptrs of one layout kind: q side up to the bucket's ceiling (the
+    padding segment), k/v side ending at the real total (the padding segment's
+    keys are empty, so padding rows cost no attention)."""
+    cu = {"q": padded.cu_q, "k": padded.cu_k}
+    total = {"q": padded.total_q, "k": padded.total_k}
+    kv = cu[kind[1]].clone()
+    kv[-1] = total[kind[1]]
+    return cu[kind[0]], kv
+
+
+def _sees_key(padded: PaddedLayout, kind, causal: bool) -> torch.Tensor:
+    from .buckets import _sees_key as sees
+
+    qo, kv = _indptr(padded, kind)
+    rows = padded.bucket.max_tokens_q if kind[0] == "q" else padded.bucket.max_tokens_k
+    return sees(qo.long(), kv.long(), rows, causal)
+
+
+class _GraphStep:
+    """The step the op's CUDA kernel sees during warm-up and capture of a bucket."""
+
+    def __init__(self, model: GraphedModel, entry: _Entry):
+        self.runtime = model.runtime
+        self.owner = model
+        self.entry = entry
+
+    def attention(self, q, k, v, cu_q, cu_k, causal, scale):
+        e = self.entry
+        names = {t.data_ptr(): name for name, t in e.cu.items()}
+        kind = (names.get(cu_q.data_ptr()), names.get(cu_k.data_ptr()))
+        if None in kind:
+            raise ValueError(
+                "in CUDA-graph mode the model must pass the cu_seqlens it was called with "
+                "to ragged_attention (unchanged: no copies or casts), so the runtime can "
+                "re-plan them before each replay"
+            )
+        config = (q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale)
+        slot = e.slots.get((kind, config))
+        if slot is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "an attention configuration appeared during CUDA-graph capture that the "
+                    "warm-up did not run; the model must run the same layers on every call"
+                )
+            slot = self.owner._new_slot(e, kind, config)
+        self.runtime.stats["flashinfer"] += 1
+        out = fi.run(slot.wrapper, q, k, v, None)
+        mask = e.masks[(kind, causal)]
+        return torch.where(mask[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+class GraphedModel:
+    """``model`` under CUDA graphs across varying layouts; see the module docstring.
+
+    ``stats`` counts ``captures``, ``replays``, ``eager`` (layouts over every
+    bucket), ``plans``, ``waits`` (a plan that waited for a staging copy) and
+    ``syncs`` (device offsets read on the host).
+    """
+
+    def __init__(self, model, buckets, *, runtime: Runtime | None = None):
+        self.model = model
+        self.buckets = as_buckets(buckets)
+        self.runtime = runtime
+        self.entries: dict[Bucket, _Entry] = {}
+        self.stats: Counter = Counter()
+        self._pool = None
+
+    def __call__(self, x, cu_seqlens, kv=None, cu_seqlens_k=None):
+        if (kv is None) != (cu_seqlens_k is None):
+            raise ValueError("pass kv and cu_seqlens_k together (cross-attention), or neither")
+        if cu_seqlens.device.type != "cpu":
+            self.stats["syncs"] += 1
+        cu_q = cu_seqlens.to("cpu", torch.int64)
+        check_cu_seqlens_values(cu_q, x.shape[0], "cu_seqlens")
+        cu_k = cu_q
+        if kv is not None:
+            if cu_seqlens_k.device.type != "cpu":
+                self.stats["syncs"] += 1
+            cu_k = cu_seqlens_k.to("cpu", torch.int64)
+            check_cu_seqlens_values(cu_k, kv.shape[0], "cu_seqlens_k")
+            if cu_k.numel() != cu_q.numel():
+                raise ValueError(
+                    f"cu_seqlens has {cu_q.numel() - 1} segments but cu_seqlens_k has {cu_k.numel() - 1}"
+                )
+        n, total_q, total_k = cu_q.numel() - 1, int(cu_q[-1]), int(cu_k[-1])
+        bucket = choose_bucket(self.buckets, n, total_q, total_k) if total_q else None
+        if bucket is None:
+            return self._eager(x, cu_seqlens, kv, cu_seqlens_k, cu_q, cu_k)
+        padded = pad_layout(bucket, cu_q, cu_k)
+        entry = self.entries.get(bucket)
+        if entry is None:
+            entry = self._capture(bucket, x, kv, padded)
+        self._load(entry, x, kv, padded)
+        if entry.graph is not None:
+            entry.graph.replay()
+            out = entry.out
+        else:  # CPU: the same buffers, no graph
+            out = self.model(*entry.args())
+        self.stats["replays"] += 1
+        rows = bucket.max_tokens_q
+        return tree_map(
+            lambda t: t[:total_q].clone() if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows else t,
+            out,
+        )
+
+    # -- pieces ---------------------------------------------------------------
+    def _eager(self, x, cu_seqlens, kv, cu_seqlens_k, cu_q, cu_k):
+        self.stats["eager"] += 1
+        args = (x, cu_seqlens) if kv is None else (x, cu_seqlens, kv, cu_seqlens_k)
+        if x.device.type != "cuda":
+            return self.model(*args)
+        rt = self.runtime or get_runtime(x.device)
+        lens_q = (cu_q[1:] - cu_q[:-1]).tolist()
+        lens_k = None if kv is None else (cu_k[1:] - cu_k[:-1]).tolist()
+        with rt.step(lens_q, lens_k):
+            return self.model(*args)
+
+    def _load(self, e: _Entry, x, kv, padded: PaddedLayout) -> None:
+        """Inputs into static buffers and plans into the wrappers, all outside any graph."""
+        e.padded = padded
+        T = x.shape[0]
+        e.x[:T].copy_(x)
+        e.x[T:].zero_()
+        e.cu["q"].copy_(_pinned(padded.cu_q), non_blocking=True)
+        if kv is not None:
+            e.kv[: kv.shape[0]].copy_(kv)
+            e.kv[kv.shape[0] :].zero_()
+            e.cu["k"].copy_(_pinned(padded.cu_k), non_blocking=True)
+        for (kind, causal), mask in e.masks.items():
+            mask.copy_(_pinned(_sees_key(padded, kind, causal)), non_blocking=True)
+        for slot in e.slots.values():
+            self._plan(slot, padded)
+
+    def _plan(self, slot: _GraphSlot, padded: PaddedLayout) -> None:
+        i = slot.turn
+        event = slot.events[i]
+        if event is not None and not event.query():
+            self.stats["waits"] += 1
+            event.synchronize()
+        slot.wrapper._pin_memory_int_workspace_buffer = slot.staging[i]
+        qo, kv = _indptr(padded, slot.kind)
+        hq, hkv, d, dtype, causal, scale = slot.config
+        fi.plan(slot.wrapper, _pinned(qo), _pinned(kv), hq, hkv, d, dtype, causal, scale)
+        slot.events[i] = torch.cuda.Event()
+        slot.events[i].record()
+        slot.turn ^= 1
+        self.stats["plans"] += 1
+        self.runtime.stats["plans"] += 1
+
+    def _new_slot(self, e: _Entry, kind, config) -> _GraphSlot:
+        hq, hkv, d, dtype, causal, scale = config
+        reason = self.runtime._unsupported_dtype_dim(dtype, d)
+        if reason is not None:
+            raise ValueError(f"CUDA-graph mode runs FlashInfer only: {reason}")
+        b = e.bucket
+        rows_q = b.max_tokens_q if kind[0] == "q" else b.max_tokens_k
+        rows_k = b.max_tokens_q if kind[1] == "q" else b.max_tokens_k
+        backend = fi.choose_backend(self.runtime.backend, self.runtime.device, b.max_segments, rows_k)
+        dev = e.x.device
+        S = b.max_segments
+        wrapper = fi.make_wrapper(
+            self.runtime._get_workspace(),
+            backend,
+            qo_indptr_buf=torch.zeros(S + 2, dtype=torch.int32, device=dev),
+            kv_indptr_buf=torch.zeros(S + 2, dtype=torch.int32, device=dev),
+        )
+        slot = _GraphSlot(wrapper, kind, config)
+        # Prime at the ceiling: the first plan latches the wrapper's row capacity.
+        prime_q = torch.full((S + 2,), rows_q, dtype=torch.int32)
+        prime_k = torch.full((S + 2,), rows_k, dtype=torch.int32)
+        prime_q[0] = prime_k[0] = 0
+        fi.plan(wrapper, prime_q, prime_k, hq, hkv, d, dtype, causal, scale)
+        self._plan(slot, e.padded)
+        e.slots[(kind, config)] = slot
+        if (kind, causal) not in e.masks:
+            e.masks[(kind, causal)] = _sees_key(e.padded, kind, causal).to(dev)
+        return slot
+
+    def _capture(self, bucket: Bucket, x, kv, padded: PaddedLayout) -> _Entry:
+        e = _Entry(bucket, x, kv, x.device)
+        self.entries[bucket] = e
+        self._load(e, x, kv, padded)
+        if x.device.type != "cuda":
+            return e
+        if self.runtime is None:
+            self.runtime = get_runtime(x.device)
+        step = _GraphStep(self, e)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), _activate(step):
+            for _ in range(2):  # the first call compiles (torch.compile) and creates wrappers
+                self.model(*e.args())
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        e.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(e.graph, pool=self._pool), _activate(step):
+            e.out = self.model(*e.args())
+        self.stats["captures"] += 1
+        return e

@@ -1,0 +1,295 @@
+"""CUDA-graph mode: bucket choice, padding, re-planning and replay across layouts.
+
+The state machines run on CPU in CI (same bookkeeping, no capture: the model is
+called on the padded static buffers) and on CUDA with FlashInfer and real graph
+replay (``RAGGED_GRAPH_STEPS`` sets the number of steps there).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import ragged_compile as rc
+from fuzz.strategies import layouts
+from ragged_compile.buckets import Bucket, as_buckets, choose_bucket, pad_layout
+from ragged_compile.cudagraph import GraphedModel
+from ragged_compile.reference import reference_attention
+
+BUCKETS = [(4, 64, 64), (16, 256, 192), (64, 640, 640)]
+D_MODEL, HEADS, KV_HEADS, HEAD_DIM = 32, 4, 2, 16  # head_dim 16 pads to 64 on FlashInfer
+
+
+def _ref_attention(q, k, v, cu_q, cu_k=None, *, causal=False):
+    cu_k = cu_q if cu_k is None else cu_k
+    out = reference_attention(q.float(), k.float(), v.float(), cu_q, cu_k, causal, q.shape[-1] ** -0.5)
+    return out.to(q.dtype)
+
+
+class Block(torch.nn.Module):
+    """Causal self-attention, then (with kv) cross-attention, on packed tokens."""
+
+    def __init__(self, attention=rc.ragged_attention):
+        super().__init__()
+        self.attention = attention
+        hd = HEAD_DIM
+        self.qkv = torch.nn.Linear(D_MODEL, (HEADS + 2 * KV_HEADS) * hd)
+        self.q2 = torch.nn.Linear(D_MODEL, HEADS * hd)
+        self.kv2 = torch.nn.Linear(D_MODEL, 2 * KV_HEADS * hd)
+        self.o1 = torch.nn.Linear(HEADS * hd, D_MODEL)
+        self.o2 = torch.nn.Linear(HEADS * hd, D_MODEL)
+
+    def forward(self, x, cu, kv=None, cu_k=None):
+        hd = HEAD_DIM
+        q, k, v = self.qkv(x).split([HEADS * hd, KV_HEADS * hd, KV_HEADS * hd], -1)
+        a = self.attention(
+            q.unflatten(-1, (HEADS, hd)), k.unflatten(-1, (KV_HEADS, hd)), v.unflatten(-1, (KV_HEADS, hd)),
+            cu, causal=True,
+        )
+        x = x + self.o1(a.flatten(1))
+        if kv is not None:
+            k2, v2 = self.kv2(kv).unflatten(-1, (2 * KV_HEADS, hd)).chunk(2, dim=1)
+            a = self.attention(self.q2(x).unflatten(-1, (HEADS, hd)), k2, v2, cu, cu_k)
+            x = x + self.o2(a.flatten(1))
+        return x
+
+
+def _models(device, dtype):
+    torch.manual_seed(0)
+    model = Block().to(device, dtype).eval()
+    ref = Block(_ref_attention).to(device, torch.float32).eval()
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def _cu(lens, device="cpu"):
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
+    return cu.to(device)
+
+
+def _expected_bucket(n, tq, tk):
+    fitting = [Bucket(*b) for b in BUCKETS if n <= b[0] and tq <= b[1] and tk <= b[2]]
+    return min(fitting, key=lambda b: (b.max_tokens_q + b.max_tokens_k, b.max_segments), default=None)
+
+
+def make_machine(device: str, cross: bool):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tol = 5e-2 if device == "cuda" else 1e-5
+
+    class GraphedMachine(RuleBasedStateMachine):
+        @initialize()
+        def setup(self):
+            self.model, self.ref = _models(device, dtype)
+            runtime = rc.Runtime() if device == "cuda" else None
+            self.g = GraphedModel(self.model, BUCKETS, runtime=runtime)
+            self.used: set[Bucket] = set()
+            self.eager = 0
+            self.last = None
+            self.gen = torch.Generator(device=device).manual_seed(1)
+
+        def _run(self, q_lens, kv_lens):
+            q_lens, kv_lens = list(q_lens), list(kv_lens)
+            x = torch.randn(sum(q_lens), D_MODEL, device=device, generator=self.gen).to(dtype)
+            cu = _cu(q_lens)  # host offsets: the no-sync path
+            args = (x, cu)
+            if cross:
+                kv = torch.randn(sum(kv_lens), D_MODEL, device=device, generator=self.gen).to(dtype)
+                args = (x, cu, kv, _cu(kv_lens))
+            out = self.g(*args)
+            dev_args = tuple(a.to(device) if a.dtype.is_floating_point is False else a.float() for a in args)
+            with torch.no_grad():
+                want = self.ref(*dev_args)
+            assert out.shape == x.shape and out.dtype == dtype
+            assert torch.isfinite(out).all()
+            if out.numel():
+                err = (out.float() - want).abs().max().item()
+                assert err < tol, (err, q_lens, kv_lens)
+            b = _expected_bucket(len(q_lens), sum(q_lens), sum(kv_lens))
+            if b is None or sum(q_lens) == 0:
+                self.eager += 1
+            else:
+                self.used.add(b)
+            self.last = (q_lens, kv_lens)
+
+        @rule(layout=layouts(max_segments=80, max_len=160, cross=cross, max_total=700))
+        def step(self, layout):
+            self._run(layout.q_lens, layout.kv_lens if cross else layout.q_lens)
+
+        @precondition(lambda self: self.last is not None and len(self.last[0]) > 1)
+        @rule(data=st.data())
+        def same_totals_other_layout(self, data):
+            q_lens, kv_lens = self.last
+            perm = data.draw(st.permutations(range(len(q_lens))))
+            q2 = [q_lens[i] for i in perm]
+            kv2 = [kv_lens[i] for i in perm] if cross else q2
+            self._run(q2, kv2)
+
+        @rule(which=st.integers(0, len(BUCKETS) - 1), ones=st.booleans())
+        def full_bucket(self, which, ones):
+            S, tq, tk = BUCKETS[which]
+            def spread(total):
+                lens = [total // S] * S
+                lens[-1] += total - sum(lens)
+                return lens
+            q_lens = spread(tq)
+            if ones:  # one-token segments plus one long one, still exactly full
+                q_lens = [1] * (S - 1) + [tq - (S - 1)]
+            self._run(q_lens, spread(tk) if cross else q_lens)
+
+        @invariant()
+        def bookkeeping(self):
+            if not hasattr(self, "g"):
+                return
+            assert set(self.g.entries) == self.used
+            assert self.g.stats["eager"] == self.eager
+            if device == "cuda":
+                assert self.g.stats["captures"] == len(self.used)  # never a recapture
+                assert self.g.stats["syncs"] == 0
+
+    return GraphedMachine
+
+
+def _machine_settings(device):
+    if device == "cuda":
+        steps = int(os.environ.get("RAGGED_GRAPH_STEPS", "1000"))
+        return settings(max_examples=max(1, steps // 50), stateful_step_count=50, deadline=None)
+    return settings(max_examples=12, stateful_step_count=8, deadline=None)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_state_machine_cpu(cross):
+    m = make_machine("cpu", cross)
+    m.TestCase.settings = _machine_settings("cpu")
+    m.TestCase().runTest()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cross", [False, True])
+def test_state_machine_cuda(cross):
+    m = make_machine("cuda", cross)
+    m.TestCase.settings = _machine_settings("cuda")
+    m.TestCase().runTest()
+
+
+# -- pure bookkeeping -----------------------------------------------------------
+
+
+@given(layout=layouts(max_segments=80, max_len=200, allow_many_tiny=False))
+def test_pad_layout_keeps_real_segments_and_pads_to_the_ceiling(layout):
+    buckets = as_buckets(BUCKETS)
+    b = choose_bucket(buckets, layout.n, layout.total_q, layout.total_k)
+    assert b == _expected_bucket(layout.n, layout.total_q, layout.total_k)
+    if b is None:
+        with pytest.raises(ValueError, match="does not fit"):
+            pad_layout(as_buckets([(max(layout.n, 1), 1, 1)])[0], _cu(layout.q_lens), _cu(layout.kv_lens))
+        return
+    p = pad_layout(b, _cu(layout.q_lens), _cu(layout.kv_lens))
+    S = b.max_segments
+    assert p.cu_q.shape == (S + 2,) and p.cu_k.shape == (S + 2,)
+    assert p.cu_q[: layout.n + 1].tolist() == _cu(layout.q_lens).tolist()
+    assert p.cu_q[layout.n + 1 : S + 1].eq(layout.total_q).all()
+    assert int(p.cu_q[-1]) == b.max_tokens_q and int(p.cu_k[-1]) == b.max_tokens_k
+    for causal in (False, True):
+        sees = p.sees_key[causal]
+        assert sees.shape == (b.max_tokens_q,)
+        assert not sees[layout.total_q :].any()
+        for i, (lq, lk) in enumerate(zip(layout.q_lens, layout.kv_lens)):
+            rows = sees[sum(layout.q_lens[:i]) : sum(layout.q_lens[: i + 1])]
+            blind = lq if lk == 0 else (max(lq - lk, 0) if causal else 0)
+            assert rows.tolist() == [False] * blind + [True] * (lq - blind)
+
+
+def test_buckets_are_validated():
+    with pytest.raises(ValueError, match="max_segments"):
+        as_buckets([(0, 10)])
+    with pytest.raises(ValueError, match="at least one"):
+        as_buckets([])
+    with pytest.raises(ValueError, match=r"\(max_segments, max_tokens_q"):
+        as_buckets([(1, 2, 3, 4)])
+
+
+def test_graphed_rejects_bad_offsets_and_mismatched_cross_args():
+    model, _ = _models("cpu", torch.float32)
+    g = GraphedModel(model, BUCKETS)
+    x = torch.randn(10, D_MODEL)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        g(x, torch.tensor([0, 4, 9]))
+    with pytest.raises(ValueError, match="together"):
+        g(x, torch.tensor([0, 10]), x)
+
+
+# -- CUDA only ----------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_thousand_layouts_one_capture_per_bucket_no_recompile():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model, ref = _models("cuda", torch.bfloat16)
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    runtime = rc.Runtime()
+    g = runtime.graphed(compiled, [(64, 640)])
+    gen = torch.Generator().manual_seed(0)
+    for i in range(1000):
+        n = int(torch.randint(1, 65, (), generator=gen))
+        total = int(torch.randint(n, 641, (), generator=gen))
+        cuts = torch.sort(torch.randint(0, total + 1, (n - 1,), generator=gen)).values.tolist()
+        lens = [b - a for a, b in zip([0] + cuts, cuts + [total])]
+        x = torch.randn(total, D_MODEL, device="cuda").to(torch.bfloat16)
+        out = g(x, _cu(lens))
+        if i % 50 == 0:
+            want = ref(x.float(), _cu(lens, "cuda"))
+            assert (out.float() - want).abs().max().item() < 5e-2
+    assert g.stats["captures"] == 1 and g.stats["replays"] == 1000
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.cuda
+def test_poisoned_pool_and_padding_rows_never_reach_outputs():
+    model, ref = _models("cuda", torch.bfloat16)
+    g = rc.Runtime().graphed(model, [(8, 256)])
+    lens = [30, 0, 1, 90]
+    x = torch.randn(sum(lens), D_MODEL, device="cuda").to(torch.bfloat16)
+    g(x, _cu(lens))  # capture
+    e = g.entries[as_buckets([(8, 256)])[0]]
+    # NaN/Inf everywhere the graph could read stale memory: static inputs, the
+    # caching allocator's free blocks, FlashInfer's float workspace.
+    e.x.fill_(float("nan"))
+    junk = torch.full((64 << 20,), float("inf"), device="cuda")
+    del junk
+    g.runtime._get_workspace().fill_(0xFF)
+    for lens in ([3, 100, 0, 1, 1, 50], [255], [1] * 8):
+        x = torch.randn(sum(lens), D_MODEL, device="cuda").to(torch.bfloat16)
+        out = g(x, _cu(lens))
+        assert torch.isfinite(out).all()
+        want = ref(x.float(), _cu(lens, "cuda"))
+        assert (out.float() - want).abs().max().item() < 5e-2
+
+
+@pytest.mark.cuda
+def test_graph_mode_rejects_float32_clearly():
+    model, _ = _models("cuda", torch.float32)
+    g = rc.Runtime().graphed(model, [(8, 64)])
+    with pytest.raises(ValueError, match="float16/bfloat16"):
+        g(torch.randn(10, D_MODEL, device="cuda"), _cu([4, 6]))
+
+
+@pytest.mark.cuda
+def test_over_bucket_runs_eagerly_without_sync():
+    model, ref = _models("cuda", torch.bfloat16)
+    runtime = rc.Runtime()
+    g = runtime.graphed(model, [(4, 64)])
+    lens = [20, 30, 40]
+    x = torch.randn(sum(lens), D_MODEL, device="cuda").to(torch.bfloat16)
+    out = g(x, _cu(lens))
+    assert g.stats["eager"] == 1 and g.stats["captures"] == 0 and runtime.stats["syncs"] == 0
+    want = ref(x.float(), _cu(lens, "cuda"))
+    assert (out.float() - want).abs().max().item() < 5e-2

@@ -1,9 +1,11 @@
 """ragged_compile: ragged (packed, variable-length) attention for torch.compile."""
 
+from .compiler import compile
+from .njt import enable
 from .ops import ragged_attention
 from .reference import reference_attention
 from .runtime import Runtime
 from .validation import debug_checks, set_debug_checks
 
-__all__ = ["ragged_attention", "reference_attention", "Runtime", "debug_checks", "set_debug_checks"]
+__all__ = ["compile", "enable", "ragged_attention", "reference_attention", "Runtime", "debug_checks", "set_debug_checks"]
 __version__ = "0.1.0"

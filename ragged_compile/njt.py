@@ -202,7 +202,11 @@ _CAUSAL_MISMATCH = (
 )
 
 
-@torch.library.custom_op("ragged_compile::check_same_segments", mutates_args=())
+# It reads device offsets on the host: never capture it in a CUDA graph.
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("ragged_compile::check_same_segments", mutates_args=(), tags=_TAGS)
 def _check_same_segments(cu_a: Tensor, cu_b: Tensor, message: str) -> None:
     """Raise ``ValueError(message)`` unless two offset tensors are equal.
 

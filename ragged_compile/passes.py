@@ -273,9 +273,11 @@ class EfficientVarlenPass(_AttentionPass):
 class VarlenAttnPass(_AttentionPass):
     """``torch_attn._varlen_attn`` (``torch.nn.attention.varlen.varlen_attn``).
 
-    Read by argument name: on torch 2.11 the op has no ``enable_gqa`` and causal
-    arrives as ``window_size=(-1, 0)``; 2.13 adds ``is_causal``, ``enable_gqa``,
-    ``seqused_k``, ``block_table`` and ``num_splits``. Flash causal is bottom-right.
+    Read by argument name, since the schema changes between releases: on torch
+    2.11 there is no ``enable_gqa`` and causal arrives as ``window_size=(-1, 0)``
+    (plus ``is_causal``); other releases add KV-cache arguments, and 2.13 has
+    ``enable_gqa``, ``seqused_k``, ``block_table`` and ``num_splits``. Unknown
+    names are absent, hence ``.get``. Flash causal is bottom-right, as ours.
     """
 
     name = "torch_attn._varlen_attn"
@@ -288,9 +290,11 @@ class VarlenAttnPass(_AttentionPass):
     def plan(self, node, a):
         if a.get("cu_seq_q") is None or a.get("cu_seq_k") is None:
             return "cu_seq_q or cu_seq_k is None"
-        for extra in ("seqused_k", "block_table"):
+        # Paged / partial / cached KV, under the names different torch versions use.
+        for extra in ("seqused_k", "block_table", "k_cache", "v_cache", "cache_seqlens",
+                      "cache_batch_idx", "page_table"):
             if a.get(extra) is not None:
-                return f"{extra} is given (paged / partial KV)"
+                return f"{extra} is given (paged / partial / cached KV)"
         window = a.get("window_size")
         window = [-1, -1] if window is None else list(window)
         if window not in ([-1, -1], [-1, 0]):

@@ -78,17 +78,21 @@ def enable() -> Iterator[None]:
     global _ENABLED, _previous
     saved = (_ENABLED, _previous, _njt_ops.jagged_scaled_dot_product_attention)
     user_pass = _inductor_config.post_grad_custom_post_pass
-    if not isinstance(user_pass, RaggedAttentionPasses):
-        user_pass = ragged_attention_passes(user_pass, extra_uuid=_handler_uuid())
-    with _inductor_config.patch(post_grad_custom_post_pass=user_pass):
-        if saved[2] is not _ragged_sdpa:
-            _previous = saved[2]
-        _njt_ops.jagged_scaled_dot_product_attention = _ragged_sdpa
-        _ENABLED = True
-        try:
-            yield
-        finally:
-            _ENABLED, _previous, _njt_ops.jagged_scaled_dot_product_attention = saved
+    ours = user_pass
+    if not isinstance(ours, RaggedAttentionPasses):
+        ours = ragged_attention_passes(user_pass, extra_uuid=_handler_uuid())
+    if saved[2] is not _ragged_sdpa:
+        _previous = saved[2]
+    # Plain set/restore, as inductor_config.patch() does, at a fraction of its
+    # cost: compile() enters this context on every call.
+    _inductor_config.post_grad_custom_post_pass = ours
+    _njt_ops.jagged_scaled_dot_product_attention = _ragged_sdpa
+    _ENABLED = True
+    try:
+        yield
+    finally:
+        _ENABLED, _previous, _njt_ops.jagged_scaled_dot_product_attention = saved
+        _inductor_config.post_grad_custom_post_pass = user_pass
 
 
 @functools.lru_cache(1)
@@ -100,20 +104,27 @@ def _handler_uuid() -> str:
 
 @torch._dynamo.assume_constant_result
 def _note(level: int, msg: str) -> bool:
-    # Dynamo records NJT SDPA as one graph node and runs this handler while it
-    # propagates fake tensors and again while AOTAutograd traces, so a compile
-    # logs a decision a few times; per-call logs stay at DEBUG for that reason.
-    # Should Dynamo ever inline the handler, the decorator runs this at trace
-    # time instead of graph-breaking on the logging call.
-    if level >= logging.WARNING:
-        if msg in _warned:
-            return True
-        _warned.add(msg)
-    log.log(level, "ragged_compile: %s", msg)
+    """Log a decision: INFO once per compile, DEBUG per eager call; warnings once.
+
+    Dynamo records NJT SDPA as one graph node and runs the handler while it
+    propagates fake tensors and again while AOTAutograd traces, hence the
+    de-duplication per compile id. Should Dynamo ever inline the handler, the
+    decorator runs this at trace time instead of graph-breaking on the log call.
+    """
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    if compile_id is not None:
+        msg = f"{msg} [compile {compile_id}]"
+        level = max(level, logging.INFO)
+    elif level < logging.WARNING:
+        log.log(level, "ragged_compile: %s", msg)
+        return True
+    if msg not in _seen:
+        _seen.add(msg)
+        log.log(level, "ragged_compile: %s", msg)
     return True
 
 
-_warned: set[str] = set()
+_seen: set[str] = set()
 
 
 def _stock_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> str | None:

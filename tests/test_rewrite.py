@@ -138,12 +138,15 @@ def test_compiled_encoder_matches_dense_one_graph_only_our_op():
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
-def test_compiled_cross_attention_matches_dense():
+def test_compiled_cross_attention_matches_dense(caplog):
     torch.manual_seed(0)
     block = CrossAttentionBlock(E, H).eval()
     compiled = ragged_compile.compile(block, fullgraph=True)
     x, memory = njt([1, 1, 1], E), njt([4, 9, 2], E)
-    out, codes = run_and_get_code(compiled, x, memory)
+    with caplog.at_level(logging.INFO, "ragged_compile"):
+        out, codes = run_and_get_code(compiled, x, memory)
+    logged = [m for m in (r.getMessage() for r in caplog.records) if "-> ragged_attention" in m]
+    assert len(logged) == 1 and "cross-attention" in logged[0] and "[compile 0/0]" in logged[0]
     _close(out, dense_reference(block, x, memory))
     _assert_only_ragged("\n".join(codes), expected_calls=1)
     for q_lens, kv_lens in (([1, 1, 1, 1], [3, 1, 8, 2]), ([3, 5], [7, 1]), ([2, 2, 6], [5, 5, 1])):
@@ -243,7 +246,7 @@ def test_requires_grad_falls_back_to_stock(caplog, monkeypatch):
 def test_missing_transpose_falls_back_with_warning(caplog, monkeypatch):
     calls = []
     monkeypatch.setattr(torch.ops.ragged_compile, "ragged_attention", lambda *a: calls.append(a))
-    monkeypatch.setattr(rc_njt, "_warned", set())
+    monkeypatch.setattr(rc_njt, "_seen", set())
     q, kv = _sdpa_njt(transpose=False)
     with caplog.at_level(logging.WARNING, "ragged_compile"), ragged_compile.enable():
         expected_stock = F.scaled_dot_product_attention(q, kv, kv)

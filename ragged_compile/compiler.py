@@ -55,9 +55,30 @@ def compile(model: Callable | None = None, **torch_compile_kwargs: Any) -> Any:
 
 
 def _call_context(args: tuple, kwargs: dict) -> contextlib.AbstractContextManager:
-    """Per-call seam, entered around every call outside the compiled region."""
-    # The CUDA runtime plugs in here: plan FlashInfer once per forward from the call's offsets.
-    return contextlib.nullcontext()
+    """Per-call seam, entered around every call outside the compiled region.
+
+    With nested jagged tensors on CUDA it opens a runtime step for the call, so
+    every layer shares one plan per layout, and starts copying their offsets to
+    the host before the model runs: the first attention layer then waits for that
+    copy alone (one read per layout per forward), never for a drained queue.
+    """
+    njts = [
+        x for x in pytree.tree_leaves((args, kwargs))
+        if isinstance(x, NestedTensor) and x.device.type == "cuda"
+    ]
+    if not njts:
+        return contextlib.nullcontext()
+    return _cuda_step(njts)
+
+
+@contextlib.contextmanager
+def _cuda_step(njts: list[NestedTensor]):
+    from .runtime import get_runtime
+
+    with get_runtime(njts[0].device).step() as step:
+        for nt in njts:
+            step.prefetch(nt._offsets)
+        yield
 
 
 def _wrap(call: Callable, mark: bool) -> Callable:

@@ -123,12 +123,47 @@ class _Step:
         self.runtime = runtime
         self.declared = declared
         self.by_tensor: dict[tuple, Layout] = {}
+        self.host: dict[tuple, torch.Tensor | tuple] = {}  # offsets read (or being read) to the host
         self.held: list[torch.Tensor] = []  # keeps identified offsets' memory from reuse
         self.plans: dict[tuple, tuple[_Slot, Layout]] = {}
         self.slots: list[_Slot] = []
 
+    @staticmethod
+    def _key(cu: torch.Tensor) -> tuple:
+        return (cu.data_ptr(), cu._version, cu.numel(), cu.dtype)
+
+    def prefetch(self, cu: torch.Tensor) -> None:
+        """Start copying device offsets to the host now, without waiting.
+
+        The first attention layer then waits only for this copy, which the GPU
+        reaches before the layer's own inputs, instead of draining the queue.
+        """
+        if cu.device.type != "cuda" or self._key(cu) in self.host:
+            return
+        host = torch.empty(cu.shape, dtype=cu.dtype, pin_memory=True)
+        host.copy_(cu, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.host[self._key(cu)] = (host, event)
+        self.held.append(cu)
+
+    def _host(self, cu: torch.Tensor) -> torch.Tensor:
+        """Host copy of offsets: one device-to-host read per tensor per step."""
+        key = self._key(cu)
+        hit = self.host.get(key)
+        if isinstance(hit, tuple):  # prefetched: wait for that copy only
+            host, event = hit
+            event.synchronize()
+            hit = self.host[key] = host.to(torch.int32)
+            self.runtime.stats["syncs"] += 1
+        elif hit is None:
+            hit = self.host[key] = cu.to("cpu", torch.int32)
+            self.held.append(cu)
+            self.runtime.stats["syncs"] += 1
+        return hit
+
     def layout_for(self, cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int) -> Layout:
-        key = (cu_q.data_ptr(), cu_q._version, cu_q.numel(), cu_k.data_ptr(), cu_k._version, cu_k.numel())
+        key = (self._key(cu_q), self._key(cu_k))
         layout = self.by_tensor.get(key)
         if layout is not None:
             return layout
@@ -138,14 +173,12 @@ class _Step:
             for lay in self.declared
             if lay.n == n and lay.total_q == total_q and lay.total_k == total_k
         ]
-        stats = self.runtime.stats
         if len(matches) == 1 and not debug_checks():
             layout = matches[0]
+            self.held += [cu_q, cu_k]
         else:
-            # Read the offsets once; validated here because this is host work anyway.
-            stats["syncs"] += 1
-            host_q = cu_q.to("cpu", torch.int32)
-            host_k = host_q if cu_k is cu_q else cu_k.to("cpu", torch.int32)
+            # Read the offsets; validated here because this is host work anyway.
+            host_q, host_k = self._host(cu_q), self._host(cu_k)
             check_cu_seqlens_values(host_q, total_q, "cu_seqlens_q")
             check_cu_seqlens_values(host_k, total_k, "cu_seqlens_k")
             if len(matches) == 1 and not (
@@ -157,7 +190,6 @@ class _Step:
                 )
             layout = matches[0] if len(matches) == 1 else Layout(host_q, host_k)
         self.by_tensor[key] = layout
-        self.held += [cu_q, cu_k]
         return layout
 
     def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float) -> torch.Tensor:

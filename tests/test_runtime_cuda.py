@@ -190,3 +190,45 @@ def test_fuzz_style_many_layouts_equal_totals():
         with runtime.step(lens):
             out = runtime.attention(q, k, v, cu, cu, bool(i % 2), 96**-0.5)
         _check(out, q, k, v, cu, cu, bool(i % 2), 96**-0.5)
+
+
+def test_ragged_compile_plans_once_and_reads_offsets_once_per_forward():
+    import torch.nn.functional as F
+
+    class Attn(torch.nn.Module):
+        def __init__(self, d=256, heads=4):
+            super().__init__()
+            self.heads = heads
+            self.qkv = torch.nn.Linear(d, 3 * d)
+
+        def forward(self, x):  # x: NJT [B, j, d]
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            q, k, v = (t.unflatten(-1, [self.heads, -1]).transpose(1, 2) for t in (q, k, v))
+            return x + F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(-2)
+
+    model = torch.nn.Sequential(*[Attn() for _ in range(4)]).to("cuda", torch.bfloat16)
+    compiled = rc.compile(model, fullgraph=True)
+    rt = rc.runtime.get_runtime(torch.device("cuda", torch.cuda.current_device()))
+
+    def njt(lens, seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        parts = [torch.randn(n, 256, device="cuda", generator=g).to(torch.bfloat16) for n in lens]
+        return torch.nested.nested_tensor(parts, layout=torch.jagged)
+
+    with torch.no_grad():
+        compiled(njt([5, 17, 3], 0))
+        for i, lens in enumerate(([40, 1, 300, 7], [100, 100, 148, 100], [1, 1])):
+            x = njt(lens, i + 1)
+            before = dict(rt.stats)
+            out = compiled(x)
+            assert rt.stats["plans"] - before.get("plans", 0) == 1
+            assert rt.stats["syncs"] - before.get("syncs", 0) == 1
+            assert rt.stats["flashinfer"] - before.get("flashinfer", 0) == 4
+            for seg, got in zip(x.unbind(), out.unbind()):  # dense per-segment reference
+                y = seg.float()
+                for layer in model:
+                    w = layer.qkv.weight.float(); b = layer.qkv.bias.float()
+                    q, k, v = (y @ w.T + b).chunk(3, dim=-1)
+                    q, k, v = (t.unflatten(-1, [4, -1]).transpose(0, 1) for t in (q, k, v))
+                    y = y + F.scaled_dot_product_attention(q, k, v).transpose(0, 1).flatten(-2)
+                assert (got.float() - y).abs().max().item() < 0.25

@@ -25,6 +25,7 @@ import hashlib
 import inspect
 import logging
 import sys
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -111,20 +112,23 @@ def _note(level: int, msg: str) -> bool:
     de-duplication per compile id. Should Dynamo ever inline the handler, the
     decorator runs this at trace time instead of graph-breaking on the log call.
     """
-    compile_id = torch._guards.CompileContext.current_compile_id()
-    if compile_id is not None:
-        msg = f"{msg} [compile {compile_id}]"
+    context = torch._guards.CompileContext.try_get()
+    if context is not None and context.compile_id is not None:
+        msg = f"{msg} [compile {context.compile_id}]"
         level = max(level, logging.INFO)
-    elif level < logging.WARNING:
-        log.log(level, "ragged_compile: %s", msg)
-        return True
-    if msg not in _seen:
-        _seen.add(msg)
+        seen = _seen_per_compile.setdefault(context, set())
+    elif level >= logging.WARNING:
+        seen = _seen
+    else:
+        seen = set()
+    if msg not in seen:
+        seen.add(msg)
         log.log(level, "ragged_compile: %s", msg)
     return True
 
 
-_seen: set[str] = set()
+_seen: set[str] = set()  # eager warnings: once per process
+_seen_per_compile: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _stock_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> str | None:
@@ -136,7 +140,11 @@ def _stock_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa
     if dropout_p > 0.0:
         return f"dropout_p={dropout_p} (our op has no dropout)"
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return "inputs require grad (our op is forward-only)"
+        return (
+            "inputs require grad and ragged_compile's op is forward-only; stock NJT SDPA "
+            "on CPU supports neither is_causal, GQA nor torch.compile. For inference, "
+            "run under torch.no_grad() or torch.inference_mode()"
+        )
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "inputs are not 4-D [B, H, j, D]"
     if query._ragged_idx != 2 or key._ragged_idx != 2 or value._ragged_idx != 2:
@@ -175,7 +183,9 @@ def _ragged_sdpa(
     if reason is None:
         reason = _stock_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if reason is not None:
-        _note(logging.WARNING if "transpose" in reason else logging.DEBUG, f"stock NJT SDPA: {reason}")
+        # Users who expect our op here (missing transpose, grad mode) get a warning.
+        warn = "transpose" in reason or "require grad" in reason
+        _note(logging.WARNING if warn else logging.DEBUG, f"stock NJT SDPA: {reason}")
         return _previous(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,

@@ -7,8 +7,7 @@ traced) and sees the call's arguments:
 1. it marks the layout of every nested jagged tensor argument dynamic and turns
    on size-oblivious reasoning for the call (see :func:`_dynamic_layouts`);
 2. it enters :func:`ragged_compile.enable` (NJT SDPA handler, Inductor passes),
-   so traces and recompiles happen with the rewrite and graphs traced here
-   guard on it;
+   so every trace and recompile of this object happens with the rewrite;
 3. it enters :func:`_call_context`, the per-call seam for a device runtime.
 """
 

@@ -346,7 +346,7 @@ def test_manager_runs_user_pass_first_and_keys_on_its_uuid():
 
 def _cuda_layer(causal=False):
     torch.manual_seed(0)
-    return SelfAttentionLayer(64, 4, causal=causal).to("cuda", torch.float16).eval()
+    return SelfAttentionLayer(256, 4, causal=causal).to("cuda", torch.float16).eval()  # head dim 64
 
 
 @pytest.mark.cuda
@@ -355,30 +355,31 @@ def _cuda_layer(causal=False):
 def test_cuda_stock_njt_flash_rewritten_by_pass(causal):
     """torch.compile with only our pass: the flash node of stock NJT SDPA becomes our op."""
     layer = _cuda_layer(causal)
-    x = njt([5, 17, 1, 9], 64).to("cuda", torch.float16)
+    x = njt([5, 17, 1, 9], 256).to("cuda", torch.float16)
     eager = layer(x)  # stock NJT SDPA (flash) eager
     with inductor_config.patch(post_grad_custom_post_pass=passes.ragged_attention_passes()):
-        out, codes = run_and_get_code(torch.compile(layer, fullgraph=True), x)
+        with torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out, codes = run_and_get_code(torch.compile(layer, fullgraph=True), x)
     code = "\n".join(codes)
     assert "ragged_compile.ragged_attention" in code
     assert "_flash_attention_forward" not in code and "_efficient_attention_forward" not in code
-    torch.testing.assert_close(out.values(), eager.values(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out.values(), eager.values(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_compile_encoder_matches_eager():
-    model = encoder(64, 4).to("cuda", torch.float16)
-    x = njt([5, 17, 1, 9], 64).to("cuda", torch.float16)
+    model = encoder(256, 4).to("cuda", torch.float16)  # head dim 64
+    x = njt([5, 17, 1, 9], 256).to("cuda", torch.float16)
     with ragged_compile.enable():
         eager = model(x)
     out, codes = run_and_get_code(ragged_compile.compile(model, fullgraph=True), x)
     code = "\n".join(codes)
     assert code.count("torch.ops.ragged_compile.ragged_attention.default(") == 3
     assert "_flash_attention_forward" not in code and "_efficient_attention_forward" not in code
-    torch.testing.assert_close(out.values(), eager.values(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out.values(), eager.values(), atol=2e-2, rtol=2e-2)
     ref = dense_reference(model.float(), x.float())
-    torch.testing.assert_close(out.values().float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.values().float(), ref, atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.cuda

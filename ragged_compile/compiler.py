@@ -40,6 +40,10 @@ def compile(model: Callable | None = None, **torch_compile_kwargs: Any) -> Any:
     Unless ``dynamic=False``, nested jagged tensor arguments are marked dynamic
     so that new layouts (batch size, lengths, totals, max length) reuse the
     compiled graph instead of recompiling or specialising.
+
+    The rewrite lives in a wrapper around the returned object's entry point;
+    ``copy.deepcopy`` or pickling rebuilds a plain ``torch.compile`` object, so
+    compile the copy again.
     """
     if model is None:
         return lambda m: compile(m, **torch_compile_kwargs)

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import inspect
 import logging
 import sys
 import weakref
@@ -100,7 +98,9 @@ def enable() -> Iterator[None]:
 def _handler_uuid() -> str:
     # AOTAutograd's cache key holds the Dynamo graph (one NJT SDPA node), not
     # what this handler traced it into; our pass uuid carries that instead.
-    return hashlib.sha256(inspect.getsource(sys.modules[__name__]).encode()).hexdigest()
+    from .passes import _hash_source
+
+    return _hash_source(sys.modules[__name__])
 
 
 @torch._dynamo.assume_constant_result

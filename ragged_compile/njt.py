@@ -139,11 +139,18 @@ def _stock_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa
         return "attn_mask is given (NJT SDPA supports no mask)"
     if dropout_p > 0.0:
         return f"dropout_p={dropout_p} (our op has no dropout)"
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+    if (
+        query.device.type != "cpu"
+        and torch.is_grad_enabled()
+        and (query.requires_grad or key.requires_grad or value.requires_grad)
+    ):
+        # Our backward is the exact reference kernel: right everywhere, but on a
+        # GPU stock NJT SDPA trains with a fused flash backward. On CPU stock has
+        # no causal, no GQA and no compile, so training there runs on our op.
         return (
-            "inputs require grad and ragged_compile's op is forward-only; stock NJT SDPA "
-            "on CPU supports neither is_causal, GQA nor torch.compile. For inference, "
-            "run under torch.no_grad() or torch.inference_mode()"
+            "inputs require grad on a GPU, where stock NJT SDPA has a fused backward and "
+            "ragged_compile's backward is the reference kernel; for inference run under "
+            "torch.no_grad() or torch.inference_mode()"
         )
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "inputs are not 4-D [B, H, j, D]"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import reference_attention
+from .reference import reference_attention, reference_attention_backward
 from .runtime import get_runtime
 from .validation import check_cu_seqlens_values, check_inputs, debug_checks
 
@@ -60,7 +60,9 @@ def ragged_attention(
 
     Inputs of any strides are accepted; kernels that need a contiguous last
     dimension copy. GQA/MQA: query head ``h`` uses k/v head ``h // (Hq // Hkv)``
-    (as ``enable_gqa=True`` in SDPA). Forward only: no backward is defined.
+    (as ``enable_gqa=True`` in SDPA). Backward: exact gradients from the reference
+    kernel in float32 on any device (correct, not fast: on CUDA the forward is
+    FlashInfer, the backward is not).
 
     Offsets are checked (``cu[0] == 0``, non-decreasing, ``cu[-1] == T``) on
     host copies: always for CPU tensors, at plan time on CUDA, and on every call
@@ -142,6 +144,44 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
         q.dtype == k.dtype == v.dtype, lambda: f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
     )
     return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("ragged_compile::ragged_attention_backward", mutates_args=(), tags=_TAGS)
+def _ragged_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The reference kernel's exact gradients: any device, one opaque op so
+    # AOTAutograd traces the backward graph without reading offsets.
+    return reference_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+
+
+@_ragged_attention_backward.register_fake
+def _(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale = inputs
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _backward(ctx, grad_out):
+    q, k, v, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.ragged_compile.ragged_attention_backward(
+        grad_out, q, k, v, cu_q, cu_k, ctx.causal, ctx.scale
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+_ragged_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 @_ragged_attention.register_kernel("cuda")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["reference_attention", "dense_attention"]
+__all__ = ["reference_attention", "reference_attention_backward", "dense_attention"]
 
 _BUDGET = 1 << 25  # score elements per chunk (128 MiB of float32)
 
@@ -27,23 +27,73 @@ def _next_pow2(x: torch.Tensor) -> torch.Tensor:
     return torch.pow(2, torch.ceil(torch.log2(x.double()))).long()
 
 
-def _attend(qg, kg, vg, allowed, scale, acc):
-    """qg [G,R,Hq,D], kg/vg [G,K,Hkv,D], allowed [G,R,K] -> [G,R,Hq,D] in acc dtype."""
+def _heads(qg, kg, vg, acc):
+    """[G,R,Hq,D], [G,K,Hkv,D] -> [G,Hkv,grp,R,D], [G,Hkv,1,K,D]: GQA without copying k/v."""
     G, R, Hq, D = qg.shape
     Hkv = kg.shape[2]
-    grp = Hq // Hkv
-    # [G, Hkv, grp, R, D] so GQA needs no copy of k/v per query head.
-    qh = qg.to(acc).reshape(G, R, Hkv, grp, D).permute(0, 2, 3, 1, 4)
-    kh = kg.to(acc).permute(0, 2, 1, 3).unsqueeze(2)  # [G, Hkv, 1, K, D]
+    qh = qg.to(acc).reshape(G, R, Hkv, Hq // Hkv, D).permute(0, 2, 3, 1, 4)
+    kh = kg.to(acc).permute(0, 2, 1, 3).unsqueeze(2)
     vh = vg.to(acc).permute(0, 2, 1, 3).unsqueeze(2)
-    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # [G, Hkv, grp, R, K]
+    return qh, kh, vh
+
+
+def _unheads(x, G, R, Hq, D):
+    return x.permute(0, 3, 1, 2, 4).reshape(G, R, Hq, D)
+
+
+def _probs(qh, kh, allowed, scale):
+    """Normalised attention probabilities [G,Hkv,grp,R,K]; rows that see no key are 0."""
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
     s = s.masked_fill(~allowed[:, None, None], float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows that see no key
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     p = torch.exp(s - m)
     denom = p.sum(dim=-1, keepdim=True)
-    o = torch.matmul(p, vh) / torch.where(denom > 0, denom, torch.ones_like(denom))
-    return o.permute(0, 3, 1, 2, 4).reshape(G, R, Hq, D)
+    return p / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
+def _chunks(q, k, v, cu_seqlens_q, cu_seqlens_k, causal):
+    """Yield (qpos [G,R], qvalid, kpos [G,K], kvalid, allowed [G,R,K]) over every
+    group of similar-length segments, in chunks of at most ``_BUDGET`` scores."""
+    dev = q.device
+    Hq = q.shape[1]
+    cuq = cu_seqlens_q.to("cpu", torch.int64)
+    cuk = cu_seqlens_k.to("cpu", torch.int64)
+    lq, lk = cuq[1:] - cuq[:-1], cuk[1:] - cuk[:-1]
+    active = torch.nonzero((lq > 0) & (lk > 0)).flatten()
+    if active.numel() == 0:
+        return
+    key = _next_pow2(lq[active]) * (1 << 32) + _next_pow2(lk[active])
+    cuq_d, cuk_d = cuq.to(dev), cuk.to(dev)
+    lq_d, lk_d = lq.to(dev), lk.to(dev)
+    for group_key in torch.unique(key).tolist():
+        idx = active[key == group_key]
+        Pq, Pk = int(lq[idx].max()), int(lk[idx].max())
+        rows = max(1, _BUDGET // (Hq * Pk))
+        row_chunk = min(Pq, rows)
+        seg_chunk = max(1, rows // Pq) if rows >= Pq else 1
+        idx_d = idx.to(dev)
+        kr = torch.arange(Pk, device=dev)
+        for s0 in range(0, idx.numel(), seg_chunk):
+            ids = idx_d[s0 : s0 + seg_chunk]
+            seg_lq, seg_lk = lq_d[ids][:, None], lk_d[ids][:, None]
+            kvalid = kr[None, :] < seg_lk  # [G, Pk]
+            kpos = torch.where(kvalid, cuk_d[ids][:, None] + kr[None, :], 0)
+            for r0 in range(0, Pq, row_chunk):
+                r = torch.arange(r0, min(r0 + row_chunk, Pq), device=dev)
+                qvalid = r[None, :] < seg_lq  # [G, R]
+                qpos = torch.where(qvalid, cuq_d[ids][:, None] + r[None, :], 0)
+                allowed = kvalid[:, None, :].expand(-1, r.numel(), -1)
+                if causal:
+                    limit = r[None, :, None] + (seg_lk - seg_lq)[:, :, None]  # [G, R, 1]
+                    allowed = allowed & (kr[None, None, :] <= limit)
+                yield qpos, qvalid, kpos, kvalid, allowed
+
+
+def _gather_kv(k, v, kpos, kvalid):
+    # Padding positions gather token 0, which may belong to another segment: zero
+    # them in v, or a NaN/inf there would leak through 0 * v into this segment.
+    return k[kpos], v[kpos].masked_fill(~kvalid[:, :, None, None], 0)
 
 
 def reference_attention(
@@ -63,43 +113,45 @@ def reference_attention(
     A row that sees no key is zero.
     """
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dev = q.device
     Tq, Hq, D = q.shape
-    out = torch.zeros(Tq, Hq, D, dtype=q.dtype, device=dev)
-    cuq = cu_seqlens_q.to("cpu", torch.int64)
-    cuk = cu_seqlens_k.to("cpu", torch.int64)
-    lq, lk = cuq[1:] - cuq[:-1], cuk[1:] - cuk[:-1]
-    active = torch.nonzero((lq > 0) & (lk > 0)).flatten()
-    if active.numel() == 0:
-        return out
-    key = _next_pow2(lq[active]) * (1 << 32) + _next_pow2(lk[active])
-    cuq_d, cuk_d = cuq.to(dev), cuk.to(dev)
-    lq_d, lk_d = lq.to(dev), lk.to(dev)
-    for group_key in torch.unique(key).tolist():
-        idx = active[key == group_key]
-        Pq, Pk = int(lq[idx].max()), int(lk[idx].max())
-        rows = max(1, _BUDGET // (Hq * Pk))
-        row_chunk = min(Pq, rows)
-        seg_chunk = max(1, rows // Pq) if rows >= Pq else 1
-        idx_d = idx.to(dev)
-        kr = torch.arange(Pk, device=dev)
-        for s0 in range(0, idx.numel(), seg_chunk):
-            ids = idx_d[s0 : s0 + seg_chunk]
-            seg_lq, seg_lk = lq_d[ids][:, None], lk_d[ids][:, None]
-            kvalid = kr[None, :] < seg_lk  # [G, Pk]
-            kpos = torch.where(kvalid, cuk_d[ids][:, None] + kr[None, :], 0)
-            kg, vg = k[kpos], v[kpos]
-            for r0 in range(0, Pq, row_chunk):
-                r = torch.arange(r0, min(r0 + row_chunk, Pq), device=dev)
-                qvalid = r[None, :] < seg_lq  # [G, R]
-                qpos = torch.where(qvalid, cuq_d[ids][:, None] + r[None, :], 0)
-                allowed = kvalid[:, None, :].expand(-1, r.numel(), -1)
-                if causal:
-                    limit = r[None, :, None] + (seg_lk - seg_lq)[:, :, None]  # [G, R, 1]
-                    allowed = allowed & (kr[None, None, :] <= limit)
-                o = _attend(q[qpos], kg, vg, allowed, scale, acc)
-                out[qpos[qvalid]] = o[qvalid].to(q.dtype)
+    out = torch.zeros(Tq, Hq, D, dtype=q.dtype, device=q.device)
+    for qpos, qvalid, kpos, kvalid, allowed in _chunks(q, k, v, cu_seqlens_q, cu_seqlens_k, causal):
+        kg, vg = _gather_kv(k, v, kpos, kvalid)
+        qh, kh, vh = _heads(q[qpos], kg, vg, acc)
+        o = _unheads(torch.matmul(_probs(qh, kh, allowed, scale), vh), *qpos.shape, Hq, D)
+        out[qpos[qvalid]] = o[qvalid].to(q.dtype)
     return out
+
+
+def reference_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
+    """Exact gradients (dq, dk, dv) of :func:`reference_attention`, same cost.
+
+    Recomputes the probabilities P per chunk; with O = P V and dO given:
+    dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)) * scale,
+    dQ = dS K, dK = dS^T Q (GQA: summed over the query heads of a k/v head).
+    """
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    Tq, Hq, D = q.shape
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    for qpos, qvalid, kpos, kvalid, allowed in _chunks(q, k, v, cu_seqlens_q, cu_seqlens_k, causal):
+        G, R = qpos.shape
+        kg, vg = _gather_kv(k, v, kpos, kvalid)
+        go = grad_out[qpos].masked_fill(~qvalid[:, :, None, None], 0)  # padding rows: no gradient
+        qh, kh, vh = _heads(q[qpos], kg, vg, acc)
+        goh = _heads(go, kg, vg, acc)[0]
+        p = _probs(qh, kh, allowed, scale)
+        o = torch.matmul(p, vh)
+        dp = torch.matmul(goh, vh.transpose(-1, -2))
+        ds = p * (dp - (goh * o).sum(-1, keepdim=True)) * scale
+        dq_g = _unheads(torch.matmul(ds, kh), G, R, Hq, D)
+        dk_g = torch.matmul(ds.transpose(-1, -2), qh).sum(2).permute(0, 2, 1, 3)  # [G,K,Hkv,D]
+        dv_g = torch.matmul(p.transpose(-1, -2), goh).sum(2).permute(0, 2, 1, 3)
+        dq.index_put_((qpos[qvalid],), dq_g[qvalid], accumulate=True)
+        dk.index_put_((kpos[kvalid],), dk_g[kvalid], accumulate=True)
+        dv.index_put_((kpos[kvalid],), dv_g[kvalid], accumulate=True)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def dense_attention(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import warnings
 from collections import Counter
@@ -234,7 +235,7 @@ class Runtime:
     Args:
         device: the CUDA device (default: the current one).
         backend: ``"auto"`` (fa3 on SM90 for long segments, fa2 otherwise),
-            ``"fa2"`` or ``"fa3"``.
+            ``"fa2"`` or ``"fa3"``; default from ``RAGGED_COMPILE_BACKEND``, else auto.
         workspace_bytes: FlashInfer float workspace, shared by this runtime's
             wrappers (they run one after another on the stream).
 
@@ -243,7 +244,9 @@ class Runtime:
     ``flashinfer`` and ``reference`` calls.
     """
 
-    def __init__(self, device=None, *, backend: str = "auto", workspace_bytes: int = _WORKSPACE_BYTES):
+    def __init__(self, device=None, *, backend: str | None = None, workspace_bytes: int = _WORKSPACE_BYTES):
+        if backend is None:
+            backend = os.environ.get("RAGGED_COMPILE_BACKEND", "auto")
         if backend not in ("auto", "fa2", "fa3"):
             raise ValueError(f"backend must be 'auto', 'fa2' or 'fa3', got {backend!r}")
         self.device = torch.device(device if device is not None else "cuda")

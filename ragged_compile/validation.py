@@ -15,6 +15,8 @@ Two kinds of check live here:
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import os
 
 import torch
@@ -113,7 +115,7 @@ def check_inputs(
             f"layouts need the same number of segments (use zero-length segments to align them)"
         )
     if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}; pass None for head_dim ** -0.5")
@@ -123,6 +125,14 @@ def check_cu_seqlens_values(
     cu: torch.Tensor, total: int, name: str, max_seqlen: int | None = None
 ) -> torch.Tensor:
     """Check a *host* copy of offsets; returns the per-segment lengths (int64, CPU)."""
+    arg = "max_seqlen_q" if name.endswith("_q") else "max_seqlen_k"
+    if max_seqlen is not None:
+        try:
+            if isinstance(max_seqlen, bool):
+                raise TypeError
+            max_seqlen = operator.index(max_seqlen)
+        except TypeError:
+            raise TypeError(f"{arg} must be an int or None, got {type(max_seqlen).__name__}") from None
     cu = cu.to("cpu", torch.int64)
     if cu.numel() and int(cu[0]) != 0:
         raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}; offsets start at the first token")
@@ -141,7 +151,7 @@ def check_cu_seqlens_values(
         )
     if max_seqlen is not None and lens.numel() and int(lens.max()) > max_seqlen:
         raise ValueError(
-            f"a segment of {name} has {int(lens.max())} tokens, more than max_seqlen "
-            f"{'q' if name.endswith('_q') else 'k'}={max_seqlen}; pass the true maximum or None"
+            f"a segment of {name} has {int(lens.max())} tokens, more than "
+            f"{arg}={max_seqlen}; pass the true maximum or None"
         )
     return lens

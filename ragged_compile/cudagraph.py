@@ -200,6 +200,10 @@ class GraphedModel:
     # -- pieces ---------------------------------------------------------------
     def _eager(self, x, cu_seqlens, kv, cu_seqlens_k, cu_q, cu_k):
         self.stats["eager"] += 1
+        # The model gets offsets on its own device, as in graph mode.
+        cu_seqlens = cu_seqlens.to(x.device, non_blocking=True)
+        if kv is not None:
+            cu_seqlens_k = cu_seqlens_k.to(x.device, non_blocking=True)
         args = (x, cu_seqlens) if kv is None else (x, cu_seqlens, kv, cu_seqlens_k)
         if x.device.type != "cuda":
             return self.model(*args)

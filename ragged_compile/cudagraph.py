@@ -119,6 +119,9 @@ class _GraphStep:
         self.entry = entry
 
     def attention(self, q, k, v, cu_q, cu_k, causal, scale):
+        reason = self.runtime._unsupported(q)
+        if reason is not None:  # the reference kernel reads offsets on the host: not capturable
+            raise ValueError(f"CUDA-graph mode runs FlashInfer only: {reason}")
         e = self.entry
         names = {t.data_ptr(): name for name, t in e.cu.items()}
         kind = (names.get(cu_q.data_ptr()), names.get(cu_k.data_ptr()))
@@ -247,9 +250,6 @@ class GraphedModel:
 
     def _new_slot(self, e: _Entry, kind, config) -> _GraphSlot:
         hq, hkv, d, dtype, causal, scale = config
-        reason = self.runtime._unsupported_dtype_dim(dtype, d)
-        if reason is not None:
-            raise ValueError(f"CUDA-graph mode runs FlashInfer only: {reason}")
         b = e.bucket
         rows_q = b.max_tokens_q if kind[0] == "q" else b.max_tokens_k
         rows_k = b.max_tokens_q if kind[1] == "q" else b.max_tokens_k
@@ -276,9 +276,9 @@ class GraphedModel:
 
     def _capture(self, bucket: Bucket, x, kv, padded: PaddedLayout) -> _Entry:
         e = _Entry(bucket, x, kv, x.device)
-        self.entries[bucket] = e
         self._load(e, x, kv, padded)
         if x.device.type != "cuda":
+            self.entries[bucket] = e
             return e
         if self.runtime is None:
             self.runtime = get_runtime(x.device)
@@ -295,4 +295,5 @@ class GraphedModel:
         with torch.cuda.graph(e.graph, pool=self._pool), _activate(step):
             e.out = self.model(*e.args())
         self.stats["captures"] += 1
+        self.entries[bucket] = e  # only once captured: a failed capture leaves no half-built entry
         return e

@@ -194,6 +194,13 @@ class _Step:
         return layout
 
     def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float) -> torch.Tensor:
+        rt = self.runtime
+        reason = rt._unsupported(q)
+        if reason is not None:
+            rt._warn_once(reason)
+            rt.stats["reference"] += 1
+            rt.last_backend = "reference"
+            return reference_attention(q, k, v, cu_q, cu_k, causal, scale)
         total_q, total_k = q.shape[0], k.shape[0]
         layout = self.layout_for(cu_q, cu_k, total_q, total_k)
         if debug_checks():
@@ -204,7 +211,6 @@ class _Step:
             return q.new_empty(q.shape)
         if total_k == 0:
             return q.new_zeros(q.shape)
-        rt = self.runtime
         slot = rt._plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale)
         rt.stats["flashinfer"] += 1
         return fi.run(slot.wrapper, q, k, v, layout.zero_rows(causal, q.device))
@@ -295,12 +301,6 @@ class Runtime:
 
     # -- the op's CUDA kernel ------------------------------------------------
     def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float) -> torch.Tensor:
-        reason = self._unsupported(q)
-        if reason is not None:
-            self._warn_once(reason)
-            self.stats["reference"] += 1
-            self.last_backend = "reference"
-            return reference_attention(q, k, v, cu_q, cu_k, causal, scale)
         step = current_step()
         if step is None or step.runtime is not self:
             with self.step():
@@ -350,9 +350,7 @@ class Runtime:
         return self._workspace
 
     def _unsupported(self, q: torch.Tensor) -> str | None:
-        return self._unsupported_dtype_dim(q.dtype, q.shape[-1])
-
-    def _unsupported_dtype_dim(self, dtype: torch.dtype, head_dim: int) -> str | None:
+        dtype, head_dim = q.dtype, q.shape[-1]
         if not fi.available():
             return "flashinfer is not importable: CUDA ragged attention runs the reference kernel"
         if dtype not in fi.DTYPES:

@@ -73,8 +73,10 @@ def ragged_attention(
         if max_seqlen_k is None:
             max_seqlen_k = max_seqlen_q
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    if type(causal).__module__ == "numpy" and type(causal).__name__ == "bool":
+        causal = bool(causal)
     if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        raise TypeError(f"causal must be a bool, got {type(causal).__module__}.{type(causal).__name__}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if max_seqlen_q is not None or max_seqlen_k is not None:

@@ -36,7 +36,8 @@ from torch.nested._internal.nested_tensor import (
 )
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.ragged_compile.ragged_attention)
-from .passes import SUPPORTED_DTYPES, RaggedAttentionPasses, ragged_attention_passes
+from .ops import unsupported_reason
+from .passes import RaggedAttentionPasses, ragged_attention_passes
 
 __all__ = ["enable", "is_enabled"]
 
@@ -161,12 +162,15 @@ def _stock_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa
         )
     if query._lengths is not None or key._lengths is not None or value._lengths is not None:
         return "a nested tensor has holes (lengths), not contiguous segments"
-    if query.dtype not in SUPPORTED_DTYPES or not (query.dtype == key.dtype == value.dtype):
-        return f"dtypes {query.dtype}/{key.dtype}/{value.dtype} are not supported"
+    if not (query.dtype == key.dtype == value.dtype):
+        return f"dtypes {query.dtype}/{key.dtype}/{value.dtype} differ"
     if not (query.device == key.device == value.device):
         return "q, k and v are on different devices"
     if not (query.size(-1) == key.size(-1) == value.size(-1)):
         return "q, k and v head dims differ"
+    reason = unsupported_reason(query.device, query.dtype, query.size(-1))
+    if reason is not None:
+        return reason
     hq, hk, hv = query.size(1), key.size(1), value.size(1)
     if hk != hv:
         return f"k has {hk} heads but v has {hv}"

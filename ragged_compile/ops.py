@@ -8,7 +8,32 @@ from .reference import reference_attention, reference_attention_backward
 from .runtime import get_runtime
 from .validation import check_cu_seqlens_values, check_inputs, debug_checks
 
-__all__ = ["ragged_attention"]
+__all__ = ["ragged_attention", "SUPPORTED_DTYPES", "unsupported_reason"]
+
+# Dtypes the op computes (the reference kernel); FlashInfer takes fp16/bf16.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim) -> str | None:
+    """Why a rewrite should leave an attention call to stock PyTorch, or None.
+
+    On CPU the op takes every supported dtype (the reference kernel is what CPU
+    runs anyway). On CUDA it must reach FlashInfer: stock fp32 or head_dim > 256
+    attention there is a fused kernel, and ours would be the reference kernel.
+    """
+    from .backends import flashinfer as fi
+
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} is not supported"
+    if device.type == "cuda":
+        if not isinstance(head_dim, int):
+            return "head dim is symbolic"
+        if not fi.supports(dtype, head_dim):
+            return (
+                f"{dtype} with head_dim {head_dim} on CUDA would run the reference kernel "
+                f"(FlashInfer takes fp16/bf16 and head_dim <= 256)"
+            )
+    return None
 
 
 def ragged_attention(

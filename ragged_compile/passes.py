@@ -24,7 +24,7 @@ import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import ops as _ops  # noqa: F401  (registers torch.ops.ragged_compile)
+from .ops import unsupported_reason
 
 __all__ = [
     "FlashVarlenPass",
@@ -38,8 +38,6 @@ log = logging.getLogger("ragged_compile")
 
 aten = torch.ops.aten
 _RAGGED = torch.ops.ragged_compile.ragged_attention.default
-# Dtypes the rewrites hand to our op; anything else keeps the stock path.
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CASTS = {torch.ops.prims.convert_element_type.default, aten._to_copy.default}
 
 
@@ -112,10 +110,13 @@ def _check_qkv(q: Any, k: Any, v: Any, dims: int = 3) -> str | None:
         return f"q/k/v are {q.dim()}-D, not packed {dims}-D"
     if dims == 4 and not (q.shape[0] == k.shape[0] == v.shape[0] == 1):
         return "leading dim is not 1 (not the varlen form)"
-    if q.dtype not in SUPPORTED_DTYPES or not (q.dtype == k.dtype == v.dtype):
-        return f"dtype {q.dtype}/{k.dtype}/{v.dtype} not supported"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} differ"
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
         return "q, k, v head dims differ"
+    reason = unsupported_reason(q.device, q.dtype, q.shape[-1])
+    if reason is not None:
+        return reason
     hq, hkv = q.shape[-2], k.shape[-2]
     if not isinstance(hq, int) or not isinstance(hkv, int) or hkv == 0 or hq % hkv:
         return f"heads {hq}/{hkv} are not a static multiple"
@@ -320,6 +321,7 @@ class VarlenAttnPass(_AttentionPass):
 
 _HELPERS = (
     _bind, _val, _only_output_used, _peel_cast, _check_qkv, _scale, _insert, _squeeze0, _replace_output,
+    unsupported_reason,
 )
 
 

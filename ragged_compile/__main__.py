@@ -60,13 +60,19 @@ def main(argv=None) -> int:
     v = torch.randn(total, args.kv_heads, args.head_dim, generator=g).to(device, dtype)
     cu = cu.to(device)
 
-    out, ms = _time(lambda: ragged_attention(q, k, v, cu, causal=args.causal), device, reps=3)
-    ref = dense_attention(q, k, v, cu.cpu(), cu.cpu(), args.causal, args.head_dim**-0.5)
-    err = (out.cpu().double() - ref).abs().max().item() if total else 0.0
     if device.type == "cuda":
         from .runtime import get_runtime
 
-        backend = "flashinfer " + str(get_runtime(device).last_backend)
+        # The hot path: a step planned once from host lengths, then only runs.
+        runtime = get_runtime(device)
+        with runtime.step(lens.tolist()):
+            out, ms = _time(lambda: ragged_attention(q, k, v, cu, causal=args.causal), device, reps=10)
+    else:
+        out, ms = _time(lambda: ragged_attention(q, k, v, cu, causal=args.causal), device, reps=3)
+    ref = dense_attention(q, k, v, cu.cpu(), cu.cpu(), args.causal, args.head_dim**-0.5)
+    err = (out.cpu().double() - ref).abs().max().item() if total else 0.0
+    if device.type == "cuda":
+        backend = "flashinfer " + str(runtime.last_backend)
     else:
         backend = "reference (CPU kernel)"
     print(f"device     {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'})")
@@ -149,18 +155,20 @@ def encoder_demo(device, dtype, seed) -> int:
             x, lens = batch()
             stock, ms_stock = timed(model, x)
             ours, ms_ours = timed(compiled, x)
-            err = (ours.values().float() - stock.values().float()).abs().max().item()
+            # Relative to the activations' scale: bf16 residual streams grow with depth.
+            ref = stock.values().float()
+            err = ((ours.values().float() - ref).abs().max() / ref.abs().max()).item()
             worst = max(worst, err)
             t_stock.append(ms_stock)
             t_ours.append(ms_ours)
             print(f"  batch {i}: {len(lens)} segments, {int(lens.sum())} tokens, "
-                  f"stock NJT SDPA eager {ms_stock:.1f} ms, ragged_compile.compile {ms_ours:.1f} ms, max diff {err:.2e}")
+                  f"stock NJT SDPA eager {ms_stock:.1f} ms, ragged_compile.compile {ms_ours:.1f} ms, rel diff {err:.2e}")
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     print(f"compile    {compile_ms / 1e3:.1f} s (first call), {graphs} graph(s) for {batches + 1} layouts")
     print(f"speed      stock NJT SDPA eager {sorted(t_stock)[len(t_stock) // 2]:.1f} ms, "
           f"ragged_compile.compile {sorted(t_ours)[len(t_ours) // 2]:.1f} ms (median per forward)")
-    tol = 5e-2 if dtype != torch.float32 else 1e-3
-    print(f"agreement  max diff {worst:.2e} (tolerance {tol})")
+    tol = 2e-2 if dtype != torch.float32 else 1e-5
+    print(f"agreement  max diff {worst:.2e} relative to max |activation| (tolerance {tol})")
     if not worst <= tol:
         print("FAILED: compiled encoder differs from stock")
         return 1

@@ -241,7 +241,7 @@ class GraphedModel:
         slot.wrapper._pin_memory_int_workspace_buffer = slot.staging[i]
         qo, kv = _indptr(padded, slot.kind)
         hq, hkv, d, dtype, causal, scale = slot.config
-        fi.plan(slot.wrapper, _pinned(qo), _pinned(kv), hq, hkv, d, dtype, causal, scale)
+        fi.plan(slot.wrapper, qo, kv, hq, hkv, d, dtype, causal, scale)
         slot.events[i] = torch.cuda.Event()
         slot.events[i].record()
         slot.turn ^= 1
@@ -256,11 +256,12 @@ class GraphedModel:
         backend = fi.choose_backend(self.runtime.backend, self.runtime.device, b.max_segments, rows_k)
         dev = e.x.device
         S = b.max_segments
+        entries = 2 * (S + 1) + 1 if causal else S + 2  # causal plans split every segment in two
         wrapper = fi.make_wrapper(
             self.runtime._get_workspace(),
             backend,
-            qo_indptr_buf=torch.zeros(S + 2, dtype=torch.int32, device=dev),
-            kv_indptr_buf=torch.zeros(S + 2, dtype=torch.int32, device=dev),
+            qo_indptr_buf=torch.zeros(entries, dtype=torch.int32, device=dev),
+            kv_indptr_buf=torch.zeros(entries, dtype=torch.int32, device=dev),
         )
         slot = _GraphSlot(wrapper, kind, config)
         # Prime at the ceiling: the first plan latches the wrapper's row capacity.

@@ -376,6 +376,8 @@ _runtimes: dict[torch.device, Runtime] = {}
 
 def get_runtime(device: torch.device) -> Runtime:
     """The runtime of the innermost active step on `device`, else that device's default."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     step = current_step()
     if step is not None and step.runtime.device == device:
         return step.runtime

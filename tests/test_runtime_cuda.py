@@ -47,6 +47,8 @@ LAYOUTS = {
     "cross_short_q": ([1, 1, 1, 1], [77, 0, 300, 5]),
     "q_longer": ([40, 9, 100], [10, 9, 3]),
     "full_long": ([2048, 2048], None),
+    # Found by the CUDA fuzzer: fa2 got causal rows wrong when Lq > Lk past a tile.
+    "q_overhang": ([128, 200, 5, 3], [64, 10, 5, 0]),
 }
 
 

@@ -12,6 +12,10 @@ only runs. Quirks handled here (see shared/NOTES.md):
 * Rows that see no key (empty k/v segment, causal with Lq > Lk) are zeroed
   explicitly from indices computed on the host at plan time, whatever the kernel
   leaves there.
+* Causal segments with more queries than keys came back wrong from fa2 (found by
+  the CUDA fuzzer: one segment of 128 queries over 64 keys). Causal plans
+  therefore never hold such a segment: :func:`causal_indptr` splits each segment
+  into its blind top rows (no keys) and a square bottom-right block.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ __all__ = [
     "padded_head_dim",
     "supports",
     "choose_backend",
+    "causal_indptr",
     "make_wrapper",
     "plan",
     "run",
@@ -76,6 +81,23 @@ def choose_backend(requested: str, device: torch.device, n: int, total_k: int) -
     return "fa2" if mean_kv < AUTO_FA2_BELOW_MEAN_KV else "fa3"
 
 
+def causal_indptr(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host indptrs for a causal plan: 2n segments for n, none with Lq > Lk.
+
+    Segment i becomes (its first max(Lq - Lk, 0) rows, no keys), whose rows see
+    no key under bottom-right alignment anyway, then (the remaining rows, all Lk
+    keys). Always two per segment, so a graph's static buffers have a fixed size.
+    """
+    cq, ck = cu_q.long(), cu_k.long()
+    blind = ((cq[1:] - cq[:-1]) - (ck[1:] - ck[:-1])).clamp(min=0)
+    n = blind.numel()
+    q = torch.zeros(2 * n + 1, dtype=torch.int32)
+    k = torch.zeros(2 * n + 1, dtype=torch.int32)
+    q[1::2], q[2::2] = cq[:-1] + blind, cq[1:]
+    k[1::2], k[2::2] = ck[:-1], ck[1:]
+    return q, k
+
+
 def make_wrapper(
     workspace: torch.Tensor,
     backend: str,
@@ -97,10 +119,12 @@ def make_wrapper(
 
 
 def plan(wrapper, cu_q_host, cu_k_host, hq, hkv, head_dim, dtype, causal, scale) -> None:
-    """Host-side planning; `cu_*_host` are int32 CPU (ideally pinned) offsets."""
+    """Host-side planning; `cu_*_host` are int32 CPU offsets of the real layout."""
+    if causal:
+        cu_q_host, cu_k_host = causal_indptr(cu_q_host, cu_k_host)
     wrapper.plan(
-        cu_q_host,
-        cu_k_host,
+        cu_q_host.pin_memory() if torch.cuda.is_available() else cu_q_host,
+        cu_k_host.pin_memory() if torch.cuda.is_available() else cu_k_host,
         hq,
         hkv,
         padded_head_dim(head_dim),

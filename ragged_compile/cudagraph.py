@@ -161,6 +161,7 @@ class GraphedModel:
         self.entries: dict[Bucket, _Entry] = {}
         self.stats: Counter = Counter()
         self._pool = None
+        self._workspace: torch.Tensor | None = None  # float workspace of the graph-mode wrappers
 
     def __call__(self, x, cu_seqlens, kv=None, cu_seqlens_k=None):
         if (kv is None) != (cu_seqlens_k is None):
@@ -257,18 +258,30 @@ class GraphedModel:
         dev = e.x.device
         S = b.max_segments
         entries = 2 * (S + 1) + 1 if causal else S + 2  # causal plans split every segment in two
-        wrapper = fi.make_wrapper(
-            self.runtime._get_workspace(),
-            backend,
-            qo_indptr_buf=torch.zeros(entries, dtype=torch.int32, device=dev),
-            kv_indptr_buf=torch.zeros(entries, dtype=torch.int32, device=dev),
-        )
-        slot = _GraphSlot(wrapper, kind, config)
         # Prime at the ceiling: the first plan latches the wrapper's row capacity.
         prime_q = torch.full((S + 2,), rows_q, dtype=torch.int32)
         prime_k = torch.full((S + 2,), rows_k, dtype=torch.int32)
         prime_q[0] = prime_k[0] = 0
-        fi.plan(wrapper, prime_q, prime_k, hq, hkv, d, dtype, causal, scale)
+        for attempt in range(3):
+            if self._workspace is None:
+                self._workspace = self.runtime._get_workspace()
+            wrapper = fi.make_wrapper(
+                self._workspace,
+                backend,
+                qo_indptr_buf=torch.zeros(entries, dtype=torch.int32, device=dev),
+                kv_indptr_buf=torch.zeros(entries, dtype=torch.int32, device=dev),
+            )
+            try:
+                fi.plan(wrapper, prime_q, prime_k, hq, hkv, d, dtype, causal, scale)
+                break
+            except RuntimeError as err:
+                need = fi.workspace_shortfall(err)
+                if need is None or attempt == 2:
+                    raise
+                # Split-KV buffers for the whole bucket: grow this model's workspace
+                # (wrappers made earlier keep theirs) and plan again.
+                self._workspace = torch.empty(2 * need, dtype=torch.uint8, device=dev)
+        slot = _GraphSlot(wrapper, kind, config)
         self._plan(slot, e.padded)
         e.slots[(kind, config)] = slot
         if (kind, causal) not in e.masks:

@@ -295,3 +295,17 @@ def test_over_bucket_runs_eagerly_without_sync():
     assert g.stats["eager"] == 1 and g.stats["captures"] == 0 and runtime.stats["syncs"] == 0
     want = ref(x.float(), _cu(lens, "cuda"))
     assert (out.float() - want).abs().max().item() < 5e-2
+
+
+def test_workspace_shortfall_reads_flashinfers_overflow_message():
+    from ragged_compile.backends.flashinfer import workspace_shortfall
+
+    # The message FlashInfer 0.7.2 gave on the H200 when a graph-mode plan for a
+    # bucket of 256 segments / 34000 tokens outgrew a 256 MiB workspace.
+    err = RuntimeError(
+        "Error in function 'aligned_alloc' at flashinfer/allocator.h:71: Buffer overflow when "
+        "allocating memory for batch_prefill_tmp_v with size 547356672 and alignment 16, but only "
+        "268435456 bytes available in AlignedAllocator. Increase the workspace buffer size."
+    )
+    assert workspace_shortfall(err) == 547356672 + 268435456
+    assert workspace_shortfall(RuntimeError("something else")) is None

@@ -21,6 +21,7 @@ only runs. Quirks handled here (see shared/NOTES.md):
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ __all__ = [
     "choose_backend",
     "causal_indptr",
     "make_wrapper",
+    "workspace_shortfall",
     "plan",
     "run",
 ]
@@ -96,6 +98,17 @@ def causal_indptr(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple[torch.Tensor,
     q[1::2], q[2::2] = cq[:-1] + blind, cq[1:]
     k[1::2], k[2::2] = ck[:-1], ck[1:]
     return q, k
+
+
+_SHORTFALL = re.compile(r"with size (\d+) and alignment \d+, but only (\d+) bytes available")
+
+
+def workspace_shortfall(err: Exception) -> int | None:
+    """Bytes a plan asked for beyond the float workspace, from FlashInfer's error; None
+    if `err` is something else. Graph-mode plans size split-KV buffers for the whole
+    bucket, which can exceed a workspace that eager plans never fill."""
+    m = _SHORTFALL.search(str(err))
+    return int(m.group(1)) + int(m.group(2)) if m else None
 
 
 def make_wrapper(

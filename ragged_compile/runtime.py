@@ -59,15 +59,13 @@ def _as_offsets(lengths) -> torch.Tensor:
 
 @dataclass
 class Layout:
-    """One segment layout, as host offsets (int32, pinned when CUDA is up)."""
+    """One segment layout, as host offsets (int32)."""
 
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     id: int = field(default_factory=lambda: next(_ids))
 
     def __post_init__(self):
-        if torch.cuda.is_available():
-            self.cu_q, self.cu_k = self.cu_q.pin_memory(), self.cu_k.pin_memory()
         self.n = self.cu_q.numel() - 1
         self.total_q = int(self.cu_q[-1])
         self.total_k = int(self.cu_k[-1])

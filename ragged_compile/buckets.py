@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Bucket", "PaddedLayout", "as_buckets", "choose_bucket", "pad_layout"]
+__all__ = ["Bucket", "PaddedLayout", "as_buckets", "choose_bucket", "pad_layout", "sees_key"]
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,12 @@ def _pad_offsets(cu: torch.Tensor, slots: int, ceiling: int) -> torch.Tensor:
     return out
 
 
-def _sees_key(cu_q, cu_k, rows: int, causal: bool) -> torch.Tensor:
+def sees_key(cu_q, cu_k, rows: int, causal: bool) -> torch.Tensor:
+    """Bool [rows]: whether each q row sees at least one key (rows past the layout: False).
+
+    A row is blind when its k/v segment is empty or, causal and bottom-right
+    aligned, when it lies above the diagonal of a segment with Lq > Lk.
+    """
     lq = (cu_q[1:] - cu_q[:-1]).long()
     lk = (cu_k[1:] - cu_k[:-1]).long()
     blind = torch.where(lk == 0, lq, (lq - lk).clamp(min=0) if causal else torch.zeros_like(lq))
@@ -115,5 +120,5 @@ def pad_layout(bucket: Bucket, cu_q: torch.Tensor, cu_k: torch.Tensor) -> Padded
     S = bucket.max_segments
     pq = _pad_offsets(cu_q.to(torch.int32), S, bucket.max_tokens_q)
     pk = _pad_offsets(cu_k.to(torch.int32), S, bucket.max_tokens_k)
-    sees = {c: _sees_key(cu_q, cu_k, bucket.max_tokens_q, c) for c in (False, True)}
+    sees = {c: sees_key(cu_q, cu_k, bucket.max_tokens_q, c) for c in (False, True)}
     return PaddedLayout(bucket, n, total_q, total_k, pq, pk, sees)

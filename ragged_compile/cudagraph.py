@@ -43,7 +43,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .backends import flashinfer as fi
-from .buckets import Bucket, PaddedLayout, as_buckets, choose_bucket, pad_layout
+from .buckets import Bucket, PaddedLayout, as_buckets, choose_bucket, pad_layout, sees_key
 from .runtime import Runtime, _activate, get_runtime
 from .validation import check_cu_seqlens_values
 
@@ -103,11 +103,9 @@ def _indptr(padded: PaddedLayout, kind) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _sees_key(padded: PaddedLayout, kind, causal: bool) -> torch.Tensor:
-    from .buckets import _sees_key as sees
-
     qo, kv = _indptr(padded, kind)
     rows = padded.bucket.max_tokens_q if kind[0] == "q" else padded.bucket.max_tokens_k
-    return sees(qo.long(), kv.long(), rows, causal)
+    return sees_key(qo.long(), kv.long(), rows, causal)
 
 
 class _GraphStep:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .backends import flashinfer as fi
+from .buckets import sees_key
 from .reference import reference_attention
 from .validation import check_cu_seqlens_values, debug_checks
 
@@ -87,13 +88,7 @@ class Layout:
         """Indices of q rows that see no key, on `device`; None if there are none."""
         key = (causal, device)
         if key not in self._zero_rows:
-            lq = (self.cu_q[1:] - self.cu_q[:-1]).long()
-            lk = (self.cu_k[1:] - self.cu_k[:-1]).long()
-            blind = torch.where(lk == 0, lq, (lq - lk).clamp(min=0) if causal else 0)
-            starts = self.cu_q[:-1].long()
-            rows = torch.repeat_interleave(starts, blind) + (
-                torch.arange(int(blind.sum())) - torch.repeat_interleave(torch.cumsum(blind, 0) - blind, blind)
-            )
+            rows = torch.nonzero(~sees_key(self.cu_q, self.cu_k, self.total_q, causal)).flatten()
             self._zero_rows[key] = (
                 rows.pin_memory().to(device, non_blocking=True) if rows.numel() else None
             )

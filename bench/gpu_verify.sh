@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything CUDA in one GPU-machine call (run inside bench/gpu_session.sh):
 # the CUDA tests with the fuzzers at full size, the main job, the CUDA-graph
-# benchmark and the end-to-end encoder benchmark. Results land in
+# benchmark and its kernel profile, and the end-to-end encoder benchmark. Results land in
 # $OUT/results.tgz (logs, JUnit XML, JSON and markdown), each step under its own
 # time limit so one slow step cannot take the others down. STEPS="cuda-tests
 # main-job" runs a subset; TEST_BACKEND=fa2 runs the tests on fa2 only where a
@@ -22,7 +22,8 @@ step() {  # step NAME SECONDS CMD...; STEPS="name ..." picks which run (default:
 python3 -c "import json, sys; sys.path.insert(0, 'bench'); from env import environment; print(json.dumps(environment()))" > "$R/environment.json"
 step cuda-tests "${T_TESTS:-270}" env RAGGED_COMPILE_BACKEND="${TEST_BACKEND:-auto}" python3 -m pytest -q -rs -m cuda -p no:cacheprovider tests fuzz --junitxml="$R/cuda-tests.xml"
 step main-job "${T_MAIN:-70}" python3 -m ragged_compile
-step bench-cudagraph "${T_GRAPH:-120}" python3 bench/bench_cudagraph.py --out "$R" --steps 100
+step bench-cudagraph "${T_GRAPH:-400}" python3 bench/bench_cudagraph.py --out "$R" --steps 100
+step profile-cudagraph "${T_PROFILE:-120}" python3 bench/profile_cudagraph.py --out "$R"
 cp bench/results/attention.json "$R/" 2>/dev/null  # keep the committed per-op section; e2e is re-run
 step bench-e2e "${T_E2E:-110}" python3 bench/bench_attention.py --only e2e --out "$R"
 tar czf "${OUT:-/tmp/out}/results.tgz" -C "$R/.." results && rm -rf "$R"

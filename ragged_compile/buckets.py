@@ -11,11 +11,10 @@ A layout is padded to its bucket like this (S = max_segments, T = real tokens):
   rows ``T .. ceiling``, so every offset array ends at the bucket's ceiling and
   matches the padded tensors the model sees. (The FlashInfer plan gives the
   padding segment no keys, so padding rows cost no attention work: cudagraph.py.)
-* ``sees_key`` marks the query rows that see at least one key (real, non-empty
-  k/v segment, not above a bottom-right causal diagonal); every other row of the
-  attention output is written as zero inside the graph, so no NaN or stale value
-  can flow from padding into later layers (FlashInfer's fa3 reads whole K/V
-  tiles past a segment's end).
+* padding rows of the attention output are rows that see no key, which
+  FlashInfer writes as zero (backends/flashinfer.py), so no NaN or stale value
+  flows from padding into later layers (fa3 reads whole K/V tiles past a
+  segment's end).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Bucket", "PaddedLayout", "as_buckets", "choose_bucket", "pad_layout", "sees_key"]
+__all__ = ["Bucket", "PaddedLayout", "as_buckets", "choose_bucket", "pad_layout"]
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,6 @@ class PaddedLayout:
     total_k: int
     cu_q: torch.Tensor  # int32 [S + 2]
     cu_k: torch.Tensor  # int32 [S + 2]
-    sees_key: dict[bool, torch.Tensor]  # causal -> bool [max_tokens_q]
 
 
 def _pad_offsets(cu: torch.Tensor, slots: int, ceiling: int) -> torch.Tensor:
@@ -88,24 +86,6 @@ def _pad_offsets(cu: torch.Tensor, slots: int, ceiling: int) -> torch.Tensor:
     out[n + 1 : slots + 1] = cu[-1]
     out[slots + 1] = ceiling
     return out
-
-
-def sees_key(cu_q, cu_k, rows: int, causal: bool) -> torch.Tensor:
-    """Bool [rows]: whether each q row sees at least one key (rows past the layout: False).
-
-    A row is blind when its k/v segment is empty or, causal and bottom-right
-    aligned, when it lies above the diagonal of a segment with Lq > Lk.
-    """
-    lq = (cu_q[1:] - cu_q[:-1]).long()
-    lk = (cu_k[1:] - cu_k[:-1]).long()
-    blind = torch.where(lk == 0, lq, (lq - lk).clamp(min=0) if causal else torch.zeros_like(lq))
-    # Per row: its segment's start plus blind count; a row sees a key iff its
-    # position within the segment is >= the blind rows at the segment's top.
-    seg = torch.repeat_interleave(torch.arange(lq.numel()), lq)
-    pos = torch.arange(seg.numel()) - cu_q[:-1].long()[seg]
-    mask = torch.zeros(rows, dtype=torch.bool)
-    mask[: seg.numel()] = pos >= blind[seg]
-    return mask
 
 
 def pad_layout(bucket: Bucket, cu_q: torch.Tensor, cu_k: torch.Tensor) -> PaddedLayout:
@@ -120,5 +100,4 @@ def pad_layout(bucket: Bucket, cu_q: torch.Tensor, cu_k: torch.Tensor) -> Padded
     S = bucket.max_segments
     pq = _pad_offsets(cu_q.to(torch.int32), S, bucket.max_tokens_q)
     pk = _pad_offsets(cu_k.to(torch.int32), S, bucket.max_tokens_k)
-    sees = {c: sees_key(cu_q, cu_k, bucket.max_tokens_q, c) for c in (False, True)}
-    return PaddedLayout(bucket, n, total_q, total_k, pq, pk, sees)
+    return PaddedLayout(bucket, n, total_q, total_k, pq, pk)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["reference_attention", "reference_attention_backward", "dense_attention"]
+__all__ = ["reference_attention", "reference_attention_backward", "dense_attention", "sees_key"]
 
 _BUDGET = 1 << 25  # score elements per chunk (128 MiB of float32)
 
@@ -88,6 +88,24 @@ def _chunks(q, k, v, cu_seqlens_q, cu_seqlens_k, causal):
                     limit = r[None, :, None] + (seg_lk - seg_lq)[:, :, None]  # [G, R, 1]
                     allowed = allowed & (kr[None, None, :] <= limit)
                 yield qpos, qvalid, kpos, kvalid, allowed
+
+
+def sees_key(cu_q, cu_k, rows: int, causal: bool) -> torch.Tensor:
+    """Bool [rows]: whether each q row sees at least one key (rows past the layout: False).
+
+    A row is blind when its k/v segment is empty or, causal and bottom-right
+    aligned, when it lies above the diagonal of a segment with Lq > Lk.
+    """
+    lq = (cu_q[1:] - cu_q[:-1]).long()
+    lk = (cu_k[1:] - cu_k[:-1]).long()
+    blind = torch.where(lk == 0, lq, (lq - lk).clamp(min=0) if causal else torch.zeros_like(lq))
+    # Per row: its segment's start plus blind count; a row sees a key iff its
+    # position within the segment is >= the blind rows at the segment's top.
+    seg = torch.repeat_interleave(torch.arange(lq.numel()), lq)
+    pos = torch.arange(seg.numel()) - cu_q[:-1].long()[seg]
+    mask = torch.zeros(rows, dtype=torch.bool)
+    mask[: seg.numel()] = pos >= blind[seg]
+    return mask
 
 
 def _gather_kv(k, v, kpos, kvalid):

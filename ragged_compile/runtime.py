@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .backends import flashinfer as fi
-from .buckets import sees_key
 from .reference import reference_attention
 from .validation import check_cu_seqlens_values, debug_checks
 
@@ -70,7 +69,6 @@ class Layout:
         self.n = self.cu_q.numel() - 1
         self.total_q = int(self.cu_q[-1])
         self.total_k = int(self.cu_k[-1])
-        self._zero_rows: dict[tuple, torch.Tensor | None] = {}
         self._device_cu: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
@@ -83,16 +81,6 @@ class Layout:
                 f"{cu_k.numel() - 1}; pair each q segment with one k/v segment"
             )
         return cls(cu_q, cu_k)
-
-    def zero_rows(self, causal: bool, device: torch.device) -> torch.Tensor | None:
-        """Indices of q rows that see no key, on `device`; None if there are none."""
-        key = (causal, device)
-        if key not in self._zero_rows:
-            rows = torch.nonzero(~sees_key(self.cu_q, self.cu_k, self.total_q, causal)).flatten()
-            self._zero_rows[key] = (
-                rows.pin_memory().to(device, non_blocking=True) if rows.numel() else None
-            )
-        return self._zero_rows[key]
 
     def device_offsets(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._device_cu:
@@ -206,7 +194,7 @@ class _Step:
             return q.new_zeros(q.shape)
         slot = rt._plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale)
         rt.stats["flashinfer"] += 1
-        return fi.run(slot.wrapper, q, k, v, layout.zero_rows(causal, q.device))
+        return fi.run(slot.wrapper, q, k, v)
 
 
 _local = threading.local()
@@ -285,12 +273,14 @@ class Runtime:
                 slot.last_used = self._tick
             self._tick += 1
 
-    def graphed(self, model, buckets):
+    def graphed(self, model, buckets, *, split_kv="auto"):
         """Run ``model(x, cu_seqlens[, kv, cu_seqlens_k])`` under CUDA graphs,
-        one capture per bucket, re-planned before every replay: see cudagraph.py."""
+        one capture per bucket, re-planned before every replay: see cudagraph.py.
+        ``split_kv`` ("auto", True or False) decides whether fa2 may split long
+        k/v segments in graph mode; "auto" allows it for buckets of long segments."""
         from .cudagraph import GraphedModel
 
-        return GraphedModel(model, buckets, runtime=self)
+        return GraphedModel(model, buckets, runtime=self, split_kv=split_kv)
 
     # -- the op's CUDA kernel ------------------------------------------------
     def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float) -> torch.Tensor:

@@ -18,8 +18,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import ragged_compile as rc
 from fuzz.strategies import layouts
 from ragged_compile.buckets import Bucket, as_buckets, choose_bucket, pad_layout
-from ragged_compile.cudagraph import GraphedModel
-from ragged_compile.reference import reference_attention
+from ragged_compile.cudagraph import GraphedModel, _indptr
+from ragged_compile.reference import reference_attention, sees_key
 
 BUCKETS = [(4, 64, 64), (16, 256, 192), (64, 640, 640)]
 D_MODEL, HEADS, KV_HEADS, HEAD_DIM = 32, 4, 2, 16  # head_dim 16 pads to 64 on FlashInfer
@@ -78,7 +78,7 @@ def _expected_bucket(n, tq, tk):
     return min(fitting, key=lambda b: (b.max_tokens_q + b.max_tokens_k, b.max_segments), default=None)
 
 
-def make_machine(device: str, cross: bool):
+def make_machine(device: str, cross: bool, split_kv="auto"):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tol = 5e-2 if device == "cuda" else 1e-5
 
@@ -87,7 +87,7 @@ def make_machine(device: str, cross: bool):
         def setup(self):
             self.model, self.ref = _models(device, dtype)
             runtime = rc.Runtime() if device == "cuda" else None
-            self.g = GraphedModel(self.model, BUCKETS, runtime=runtime)
+            self.g = GraphedModel(self.model, BUCKETS, runtime=runtime, split_kv=split_kv)
             self.used: set[Bucket] = set()
             self.eager = 0
             self.last = None
@@ -170,9 +170,10 @@ def test_state_machine_cpu(cross):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("split_kv", [False, True])  # "auto" picks False for these buckets
 @pytest.mark.parametrize("cross", [False, True])
-def test_state_machine_cuda(cross):
-    m = make_machine("cuda", cross)
+def test_state_machine_cuda(cross, split_kv):
+    m = make_machine("cuda", cross, split_kv)
     m.TestCase.settings = _machine_settings("cuda")
     m.TestCase().runTest()
 
@@ -197,14 +198,14 @@ def test_pad_layout_keeps_real_segments_and_pads_to_the_ceiling(layout):
     assert p.cu_q[: layout.n + 1].tolist() == _cu(layout.q_lens).tolist()
     assert p.cu_q[layout.n + 1 : S + 1].eq(layout.total_q).all()
     assert int(p.cu_q[-1]) == b.max_tokens_q and int(p.cu_k[-1]) == b.max_tokens_k
+    # The padding segment's rows see no key: graph mode relies on that for them.
     for causal in (False, True):
-        sees = p.sees_key[causal]
-        assert sees.shape == (b.max_tokens_q,)
+        qo, kv = _indptr(p, ("q", "k"))
+        sees = sees_key(qo.long(), kv.long(), b.max_tokens_q, causal)
         assert not sees[layout.total_q :].any()
-        for i, (lq, lk) in enumerate(zip(layout.q_lens, layout.kv_lens)):
-            rows = sees[sum(layout.q_lens[:i]) : sum(layout.q_lens[: i + 1])]
-            blind = lq if lk == 0 else (max(lq - lk, 0) if causal else 0)
-            assert rows.tolist() == [False] * blind + [True] * (lq - blind)
+        assert sees[: layout.total_q].tolist() == sees_key(
+            _cu(layout.q_lens), _cu(layout.kv_lens), layout.total_q, causal
+        ).tolist()
 
 
 def test_buckets_are_validated():
@@ -224,6 +225,8 @@ def test_graphed_rejects_bad_offsets_and_mismatched_cross_args():
         g(x, torch.tensor([0, 4, 9]))
     with pytest.raises(ValueError, match="together"):
         g(x, torch.tensor([0, 10]), x)
+    with pytest.raises(ValueError, match="split_kv"):
+        GraphedModel(model, BUCKETS, split_kv="yes")
 
 
 # -- CUDA only ----------------------------------------------------------------

@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 import ragged_compile.reference as reference_mod
 from ragged_compile import ragged_attention
-from ragged_compile.reference import dense_attention, reference_attention
+from ragged_compile.reference import dense_attention, reference_attention, sees_key
 
 OP = torch.ops.ragged_compile.ragged_attention.default
 
@@ -144,6 +144,19 @@ def test_rows_that_see_no_key_are_zero():
     torch.testing.assert_close(out[3], v[0].repeat_interleave(2, dim=0))
     out_nc = ragged_attention(q, k, v, cu_q, cu_k, causal=False)
     assert bool((out_nc[0:5] != 0).all()) and bool((out_nc[5:8] == 0).all())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "q_lens,kv_lens", [([5, 3, 0, 4], [2, 0, 3, 4]), ([1, 7, 2], [7, 1, 0]), ([6], [6])]
+)
+def test_sees_key_marks_exactly_the_zero_rows(q_lens, kv_lens, causal):
+    q, k, v, cu_q, cu_k = make(q_lens, kv_lens)
+    out = reference_attention(q, k, v, cu_q, cu_k, causal, 0.25)
+    rows = sum(q_lens) + 3  # rows past the layout see nothing
+    sees = sees_key(cu_q, cu_k, rows, causal)
+    assert not sees[sum(q_lens) :].any()
+    assert sees[: sum(q_lens)].tolist() == out.ne(0).flatten(1).any(1).tolist()
 
 
 def test_gqa_head_mapping():

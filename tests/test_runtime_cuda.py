@@ -9,7 +9,7 @@ import torch
 
 import ragged_compile as rc
 from ragged_compile.backends import flashinfer as fi
-from ragged_compile.reference import reference_attention
+from ragged_compile.reference import reference_attention, sees_key
 
 pytestmark = [
     pytest.mark.cuda,
@@ -67,6 +67,37 @@ def test_matches_reference(backend, layout, causal, heads, d):
         out = runtime.attention(q, k, v, cu_q, cu_k, causal, d**-0.5)
     _check(out, q, k, v, cu_q, cu_k, causal)
     assert runtime.stats["flashinfer"] == 1 and runtime.stats["reference"] == 0
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("split_kv", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads,d,dtype", [((8, 2), 128, torch.bfloat16), ((4, 4), 64, torch.bfloat16),
+                                           ((4, 2), 256, torch.float16)])
+def test_flashinfer_writes_zero_for_rows_that_see_no_key(backend, graph, split_kv, causal, heads, d, dtype):
+    """The runtime and graph mode leave keyless rows (empty k/v segments, causal
+    Lq > Lk, graph mode's padding segment) to FlashInfer: they must come back
+    exactly zero even where the output memory held NaN."""
+    if backend == "fa3" and (torch.cuda.get_device_capability() != (9, 0) or d == 256):
+        pytest.skip("fa3 needs SM90 (and its d=256 kernel is not worth a JIT here)")
+    lq = [5, 7, 9, 300, 1, 40]
+    lk = [0, 12, 0, 200, 3000, 0]  # the last: graph mode's padding segment
+    q, k, v, cu_q, cu_k = _case(lq, lk, *heads, d, dtype)
+    n = len(lq)
+    entries = 2 * n + 1 if causal else n + 1
+    bufs = {}
+    if graph:
+        bufs = dict(qo_indptr_buf=torch.zeros(entries, dtype=torch.int32, device="cuda"),
+                    kv_indptr_buf=torch.zeros(entries, dtype=torch.int32, device="cuda"))
+    w = fi.make_wrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), backend, **bufs)
+    fi.plan(w, cu_q.cpu(), cu_k.cpu(), *heads, d, dtype, causal, d**-0.5, split_kv=split_kv)
+    out = torch.full((sum(lq), heads[0], d), float("nan"), dtype=dtype, device="cuda")
+    w.run(q, k, v, out=out)
+    blind = ~sees_key(cu_q.cpu(), cu_k.cpu(), sum(lq), causal).cuda()
+    assert int(blind.sum()) >= 54
+    assert out[blind].eq(0).all()
+    _check(out, q, k, v, cu_q, cu_k, causal)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

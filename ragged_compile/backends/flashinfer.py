@@ -9,9 +9,11 @@ only runs. Quirks handled here (see shared/NOTES.md):
 * FlashInfer's fa2 is wrong or crashes for head dims other than 64/128/256, and
   fa3 only has those: q/k/v are zero-padded to the next supported dim, planned
   with the true dim's scale, and the output sliced back.
-* Rows that see no key (empty k/v segment, causal with Lq > Lk) are zeroed
-  explicitly from indices computed on the host at plan time, whatever the kernel
-  leaves there.
+* Rows that see no key (empty k/v segment, causal with Lq > Lk) must come out
+  zero. FlashInfer writes them as zero itself (seen on the H200 for fa2 and
+  fa3, plain and CUDA-graph wrappers, causal or not, into an output pre-filled
+  with NaN), so nothing here touches them; a CUDA test
+  (test_flashinfer_writes_zero_for_rows_that_see_no_key) holds that to account.
 * Causal segments with more queries than keys came back wrong from fa2 (found by
   the CUDA fuzzer: one segment of 128 queries over 64 keys). Causal plans
   therefore never hold such a segment: :func:`causal_indptr` splits each segment
@@ -131,8 +133,13 @@ def make_wrapper(
     )
 
 
-def plan(wrapper, cu_q_host, cu_k_host, hq, hkv, head_dim, dtype, causal, scale) -> None:
-    """Host-side planning; `cu_*_host` are int32 CPU offsets of the real layout."""
+def plan(wrapper, cu_q_host, cu_k_host, hq, hkv, head_dim, dtype, causal, scale, *, split_kv=True) -> None:
+    """Host-side planning; `cu_*_host` are int32 CPU offsets of the real layout.
+
+    ``split_kv=False`` forbids fa2 from splitting long k/v segments across CTAs
+    (fa3 never does). A CUDA-graph wrapper otherwise always splits, and the merge
+    kernel that follows can cost as much as the attention itself.
+    """
     if causal:
         cu_q_host, cu_k_host = causal_indptr(cu_q_host, cu_k_host)
     wrapper.plan(
@@ -147,6 +154,7 @@ def plan(wrapper, cu_q_host, cu_k_host, hq, hkv, head_dim, dtype, causal, scale)
         kv_data_type=dtype,
         o_data_type=dtype,
         non_blocking=True,
+        disable_split_kv=not split_kv,
     )
 
 
@@ -158,13 +166,11 @@ def _prepare(x: torch.Tensor, dp: int) -> torch.Tensor:
     return x
 
 
-def run(wrapper, q, k, v, zero_rows: torch.Tensor | None) -> torch.Tensor:
+def run(wrapper, q, k, v) -> torch.Tensor:
     """Device work only: no host sync, no planning."""
     d = q.shape[-1]
     dp = padded_head_dim(d)
     out = wrapper.run(_prepare(q, dp), _prepare(k, dp), _prepare(v, dp))
-    if zero_rows is not None:
-        out.index_fill_(0, zero_rows, 0)
     if dp != d:
         out = out[..., :d].contiguous()
     return out

@@ -1,0 +1,89 @@
+"""Where graph mode's GPU time goes: kernel by kernel, eager vs graphed.
+
+    python bench/profile_cudagraph.py [--out DIR]
+
+torch.profiler CUDA time per kernel name per step, eager (``runtime.step``) vs
+graphed, for the 8-layer encoder of bench_cudagraph.py on the mixed16 and
+short250 layouts. Writes DIR/profile_cudagraph.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import traceback
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import ragged_compile as rc  # noqa: E402
+from bench_cudagraph import Encoder, cu_of, random_lens  # noqa: E402
+from env import environment  # noqa: E402
+
+
+def kernel_times(fn, steps=5):
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    acc = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            acc[ev.name[:90]] += ev.device_time_total / 1e3 / steps
+    total = sum(acc.values())
+    top = sorted(acc.items(), key=lambda kv: -kv[1])[:25]
+    return {"total_ms": round(total, 3), "top": [(n, round(t, 3)) for n, t in top]}
+
+
+def profile_encoder(name, layouts, bucket):
+    torch.manual_seed(0)
+    model = Encoder().to("cuda", torch.bfloat16).eval()
+    rt = rc.Runtime()
+    lens = layouts[0]
+    x = torch.randn(sum(lens), 2048, device="cuda", dtype=torch.bfloat16)
+    cu = cu_of(lens)
+    g = rt.graphed(model, [bucket])
+    res = {}
+    with torch.no_grad():
+        def eager():
+            with rt.step(lens):
+                return model(x, cu.to("cuda", non_blocking=True))
+
+        res["eager"] = kernel_times(eager)
+        res["graphed"] = kernel_times(lambda: g(x, cu))
+        res["max_diff"] = float((g(x, cu).float() - eager().float()).abs().max())
+    return res
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench/results")
+    args = p.parse_args(argv)
+    result = {"environment": environment(), "kernels": {}}
+    gen = torch.Generator().manual_seed(0)
+    cases = {
+        "encoder8_mixed16": ([random_lens(gen, 16, 64, 4096, total=34000)], (16, 34000)),
+        "encoder8_short250": ([random_lens(gen, 250, 16, 256, total=34000)], (256, 34000)),
+    }
+    for name, (layouts, bucket) in cases.items():
+        try:
+            result["kernels"][name] = profile_encoder(name, layouts, bucket)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            result["kernels"][name] = {"error": repr(e)[:300]}
+        print(name, json.dumps(result["kernels"][name], indent=1), flush=True)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile_cudagraph.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

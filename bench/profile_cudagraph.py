@@ -56,9 +56,50 @@ def profile_encoder(name, layouts, bucket):
             with rt.step(lens):
                 return model(x, cu.to("cuda", non_blocking=True))
 
+        # The graph's own work, eagerly: the same padded rows, no capture.
+        S, ceiling = bucket
+        plens = list(lens) + [0] * (S - len(lens)) + [ceiling - sum(lens)]
+        xp = torch.cat([x, x.new_zeros(ceiling - x.shape[0], x.shape[1])])
+        cup = cu_of(plens)
+
+        def eager_padded():
+            with rt.step(plens):
+                return model(xp, cup.to("cuda", non_blocking=True))
+
         res["eager"] = kernel_times(eager)
+        res["eager_padded"] = kernel_times(eager_padded)
         res["graphed"] = kernel_times(lambda: g(x, cu))
         res["max_diff"] = float((g(x, cu).float() - eager().float()).abs().max())
+    return res
+
+
+def gemm_check(rows=(33864, 34000), reps=20):
+    """One Linear(2048, 6144) in bf16: eager vs replayed from a CUDA graph, per M.
+    Tells whether capture itself changes cuBLAS's choice or speed."""
+    lin = torch.nn.Linear(2048, 6144).to("cuda", torch.bfloat16)
+    res = {}
+    with torch.no_grad():
+        for m in rows:
+            x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                lin(x)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                lin(x)
+            for name, fn in (("eager", lambda: lin(x)), ("graphed", graph.replay)):
+                fn()
+                torch.cuda.synchronize()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                for _ in range(reps):
+                    fn()
+                e.record()
+                torch.cuda.synchronize()
+                k = kernel_times(fn, steps=3)
+                res[f"{m}_{name}"] = {"ms": round(s.elapsed_time(e) / reps, 4), "kernels": k["top"][:2]}
     return res
 
 
@@ -72,6 +113,12 @@ def main(argv=None):
         "encoder8_mixed16": ([random_lens(gen, 16, 64, 4096, total=34000)], (16, 34000)),
         "encoder8_short250": ([random_lens(gen, 250, 16, 256, total=34000)], (256, 34000)),
     }
+    try:
+        result["gemm"] = gemm_check()
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        result["gemm"] = {"error": repr(e)[:300]}
+    print("gemm", json.dumps(result["gemm"], indent=1), flush=True)
     for name, (layouts, bucket) in cases.items():
         try:
             result["kernels"][name] = profile_encoder(name, layouts, bucket)

@@ -4,16 +4,19 @@
 
 Per layout (~250 segments of 16-256 tokens; 16 segments of 64-4096) and model
 (one attention layer; the 8-layer pre-norm encoder, d=2048, 16 heads, MLP x4,
-bf16), side by side in one process:
+bf16), plus a launch-bound case (the encoder at d=512 over ~250 segments of
+16-64 tokens), side by side in one process:
 
 * eager: ``with runtime.step(lens): model(x, cu)`` (eager and torch.compile'd);
 * graphed: ``runtime.graphed(model, buckets)(x, cu_host)``.
 
-For each: wall ms per step over back-to-back steps with a new layout each step
-(same bucket, different layouts), host ms per step (time until the call
-returns, no sync), GPU ms per step (CUDA events around the replay / forward),
-captures, plans, waits. ``overlap`` is the share of host planning hidden
-behind GPU work: (host + gpu - wall) / host, clipped to [0, 1].
+Steps run back to back, a new layout each step (same bucket, different
+layouts); eager and graphed alternate in blocks so clock drift hits both, and
+each figure is the median over blocks. For each: wall ms per step, host ms per
+step (time until the call returns, no sync), GPU ms per step (CUDA events
+around the step; "queued": one step issued behind a sleep kernel, so only GPU
+work counts), captures, plans, waits. ``overlap`` is the share of host work
+hidden behind GPU work: (host + gpu - wall) / host, clipped to [0, 1].
 Writes bench/results/cudagraph.json and cudagraph.md.
 """
 
@@ -79,8 +82,6 @@ def measure(call, layouts, device, d, dtype):
     """Back-to-back steps over `layouts`; returns wall/host/gpu ms per step."""
     xs = [torch.randn(sum(l), d, device=device, dtype=dtype) for l in layouts]
     cus = [cu_of(l) for l in layouts]
-    for i in range(min(2, len(layouts))):  # warm: two shapes, so torch.compile's dynamic recompile is done
-        call(xs[i], cus[i], layouts[i])
     torch.cuda.synchronize()
     host = []
     starts, ends = [], []
@@ -106,7 +107,7 @@ def measure(call, layouts, device, d, dtype):
     }
 
 
-def gpu_only(call, layouts, device, d, dtype, reps=5):
+def gpu_only(call, layouts, device, d, dtype, reps=9):
     """GPU time of one step when the host is not the bottleneck: events around
     a step issued after a sync, so the queue is empty and only kernels count."""
     x = torch.randn(sum(layouts[0]), d, device=device, dtype=dtype)
@@ -125,39 +126,59 @@ def gpu_only(call, layouts, device, d, dtype, reps=5):
     return round(statistics.median(times), 3)
 
 
+BLOCKS = 4  # eager and graphed alternate in blocks of steps, so clock drift hits both
+
+
+def _median_rows(rows):
+    return {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
+
+
 def run_case(name, model, layouts, bucket, d, dtype, compiled):
     device = torch.device("cuda")
     rt = rc.Runtime()
     m = torch.compile(model, fullgraph=True) if compiled else model
     row = {"case": name, "compiled": compiled, "segments": len(layouts[0]),
-           "tokens": sum(layouts[0]), "steps": len(layouts)}
+           "tokens": sum(layouts[0]), "bucket": list(bucket), "steps": len(layouts)}
 
     def eager(x, cu, lens):
         with rt.step(lens):
             return m(x, cu.to(device, non_blocking=True))
 
+    g = rt.graphed(m, [bucket])
+
+    def graphed(x, cu, lens):
+        return g(x, cu)
+
+    calls = {"eager": eager, "graphed": graphed}
+    per = max(1, len(layouts) // BLOCKS)
     with torch.no_grad():
+        for call in calls.values():  # warm: compile (two shapes: the dynamic recompile), capture
+            for lens in layouts[:2]:
+                call(torch.randn(sum(lens), d, device=device, dtype=dtype), cu_of(lens), lens)
         rt.stats.clear()
-        row["eager"] = measure(eager, layouts, device, d, dtype)
-        row["eager"]["gpu_ms_queued"] = gpu_only(eager, layouts, device, d, dtype)
-        row["eager"]["plans_per_step"] = round(rt.stats["plans"] / (len(layouts) + 1), 2)
-        row["eager"]["syncs_per_step"] = round(rt.stats["syncs"] / (len(layouts) + 1), 2)
-        g = rt.graphed(m, [bucket])
-
-        def graphed(x, cu, lens):
-            return g(x, cu)
-
-        row["graphed"] = measure(graphed, layouts, device, d, dtype)
-        row["graphed"]["gpu_ms_queued"] = gpu_only(graphed, layouts, device, d, dtype)
+        g.stats.clear()
+        blocks = {k: [] for k in calls}
+        for i in range(0, per * BLOCKS, per):
+            for k, call in calls.items():
+                blocks[k].append(measure(call, layouts[i : i + per], device, d, dtype))
+        for k, call in calls.items():
+            row[k] = _median_rows(blocks[k])
+            row[k]["gpu_ms_queued"] = gpu_only(call, layouts, device, d, dtype)
+        steps = per * BLOCKS
+        eager_plans = rt.stats["plans"] - g.stats["plans"]
+        row["eager"]["plans_per_step"] = round(eager_plans / steps, 2)
+        row["eager"]["syncs_per_step"] = round(rt.stats["syncs"] / steps, 2)
         row["graphed"].update({k: g.stats[k] for k in ("captures", "replays", "plans", "waits", "syncs", "eager")})
+        row["graphed"]["plans_per_step"] = round(g.stats["plans"] / max(g.stats["replays"], 1), 2)
         x = torch.randn(sum(layouts[-1]), d, device=device, dtype=dtype)
         cu = cu_of(layouts[-1])
         err = (g(x, cu).float() - eager(x, cu, layouts[-1]).float()).abs().max().item()
         row["max_diff_graphed_vs_eager"] = err
-    for mode in ("eager", "graphed"):
+    for mode in calls:
         r = row[mode]
         r["overlap"] = round(min(1.0, max(0.0, (r["host_ms"] + r["gpu_ms_queued"] - r["wall_ms"]) / max(r["host_ms"], 1e-9))), 3)
         r["wall_minus_gpu_queued_ms"] = round(r["wall_ms"] - r["gpu_ms_queued"], 3)
+    row["graphed_vs_eager_wall"] = round(row["graphed"]["wall_ms"] / row["eager"]["wall_ms"], 3)
     print(json.dumps(row), flush=True)
     return row
 
@@ -177,11 +198,14 @@ def main(argv=None):
     steps = 20 if args.smoke else args.steps
     short = [random_lens(gen, 250, 16, 256, total=34000) for _ in range(steps)]
     mixed = [random_lens(gen, 16, 64, 4096, total=34000) for _ in range(steps)]
+    tiny = [random_lens(gen, 250, 16, 64) for _ in range(steps)]
     rows = []
     cases = [
         ("attention_1layer_short250", lambda: Layer(2048, 16), short, (256, 34000), 2048),
         ("encoder8_short250", lambda: Encoder(), short, (256, 34000), 2048),
         ("encoder8_mixed16", lambda: Encoder(), mixed, (16, 34000), 2048),
+        # Launch-bound: a small encoder over ~250 short segments, where host work is most of a step.
+        ("encoder8_d512_short250", lambda: Encoder(512, 8), tiny, (256, 11264), 512),
     ]
     if args.smoke:
         cases = [("smoke", lambda: Encoder(256, 4, 2), [l[:8] for l in short], (8, 34000), 256)]
@@ -207,7 +231,7 @@ def main(argv=None):
             continue
         for mode in ("eager", "graphed"):
             m = r[mode]
-            plans = m.get("plans_per_step", round(m.get("plans", 0) / max(m.get("replays", 1), 1), 2))
+            plans = m["plans_per_step"]
             lines.append(
                 f"| {r['case']} | {r['compiled']} | {mode} | {m['wall_ms']} | {m['host_ms']} | "
                 f"{m['gpu_ms_queued']} | {m['wall_minus_gpu_queued_ms']} | {m['overlap']} | "

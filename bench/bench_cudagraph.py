@@ -155,21 +155,22 @@ def run_case(name, model, layouts, bucket, d, dtype, compiled):
         for call in calls.values():  # warm: compile (two shapes: the dynamic recompile), capture
             for lens in layouts[:2]:
                 call(torch.randn(sum(lens), d, device=device, dtype=dtype), cu_of(lens), lens)
-        rt.stats.clear()
-        g.stats.clear()
+        rt_before, g_before = dict(rt.stats), dict(g.stats)
         blocks = {k: [] for k in calls}
         for i in range(0, per * BLOCKS, per):
             for k, call in calls.items():
                 blocks[k].append(measure(call, layouts[i : i + per], device, d, dtype))
+        steps = per * BLOCKS
+        d_rt = {k: rt.stats[k] - rt_before.get(k, 0) for k in ("plans", "syncs")}
+        d_g = {k: g.stats[k] - g_before.get(k, 0) for k in ("replays", "plans", "waits", "syncs", "eager")}
         for k, call in calls.items():
             row[k] = _median_rows(blocks[k])
             row[k]["gpu_ms_queued"] = gpu_only(call, layouts, device, d, dtype)
-        steps = per * BLOCKS
-        eager_plans = rt.stats["plans"] - g.stats["plans"]
-        row["eager"]["plans_per_step"] = round(eager_plans / steps, 2)
-        row["eager"]["syncs_per_step"] = round(rt.stats["syncs"] / steps, 2)
-        row["graphed"].update({k: g.stats[k] for k in ("captures", "replays", "plans", "waits", "syncs", "eager")})
-        row["graphed"]["plans_per_step"] = round(g.stats["plans"] / max(g.stats["replays"], 1), 2)
+        row["eager"]["plans_per_step"] = round((d_rt["plans"] - d_g["plans"]) / steps, 2)
+        row["eager"]["syncs_per_step"] = round(d_rt["syncs"] / steps, 2)
+        row["graphed"].update(d_g)
+        row["graphed"]["captures"] = g.stats["captures"]
+        row["graphed"]["plans_per_step"] = round(d_g["plans"] / max(d_g["replays"], 1), 2)
         x = torch.randn(sum(layouts[-1]), d, device=device, dtype=dtype)
         cu = cu_of(layouts[-1])
         err = (g(x, cu).float() - eager(x, cu, layouts[-1]).float()).abs().max().item()

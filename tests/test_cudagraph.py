@@ -312,3 +312,24 @@ def test_workspace_shortfall_reads_flashinfers_overflow_message():
     )
     assert workspace_shortfall(err) == 547356672 + 268435456
     assert workspace_shortfall(RuntimeError("something else")) is None
+
+
+@pytest.mark.cuda
+def test_reduce_overhead_keeps_every_layout_correct():
+    """torch.compile(mode="reduce-overhead") graphs what surrounds the op (tagged
+    cudagraph_unsafe) and never freezes a plan: equal shapes, different layouts,
+    every output right."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model, ref = _models("cuda", torch.bfloat16)
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    runtime = rc.Runtime()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for lens in ([30, 34], [1, 63], [63, 1], [32, 32], [1, 63]):
+        x = torch.randn(64, D_MODEL, device="cuda", generator=gen).to(torch.bfloat16)
+        with runtime.step(lens):
+            out = compiled(x, _cu(lens, "cuda"))
+        want = ref(x.float(), _cu(lens, "cuda"))
+        assert (out.float() - want).abs().max().item() < 5e-2, lens
+    assert runtime.stats["flashinfer"] == 5 and runtime.stats["reference"] == 0

@@ -24,6 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import ragged_compile as rc  # noqa: E402
 from bench_cudagraph import Encoder, cu_of, random_lens  # noqa: E402
 from env import environment  # noqa: E402
+from gemm_rows import time_ms  # noqa: E402
 
 
 def kernel_times(fn, steps=5):
@@ -90,16 +91,8 @@ def gemm_check(rows=(33864, 34000), reps=20):
             with torch.cuda.graph(graph):
                 lin(x)
             for name, fn in (("eager", lambda: lin(x)), ("graphed", graph.replay)):
-                fn()
-                torch.cuda.synchronize()
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                for _ in range(reps):
-                    fn()
-                e.record()
-                torch.cuda.synchronize()
                 k = kernel_times(fn, steps=3)
-                res[f"{m}_{name}"] = {"ms": round(s.elapsed_time(e) / reps, 4), "kernels": k["top"][:2]}
+                res[f"{m}_{name}"] = {"ms": round(time_ms(fn, reps), 4), "kernels": k["top"][:2]}
     return res
 
 

@@ -43,7 +43,7 @@ def kernel_times(fn, steps=5):
     return {"total_ms": round(total, 3), "top": [(n, round(t, 3)) for n, t in top]}
 
 
-def profile_encoder(name, layouts, bucket):
+def profile_encoder(layouts, bucket):
     torch.manual_seed(0)
     model = Encoder().to("cuda", torch.bfloat16).eval()
     rt = rc.Runtime()
@@ -114,7 +114,7 @@ def main(argv=None):
     print("gemm", json.dumps(result["gemm"], indent=1), flush=True)
     for name, (layouts, bucket) in cases.items():
         try:
-            result["kernels"][name] = profile_encoder(name, layouts, bucket)
+            result["kernels"][name] = profile_encoder(layouts, bucket)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             result["kernels"][name] = {"error": repr(e)[:300]}

@@ -71,8 +71,6 @@ def choose_bucket(buckets: list[Bucket], n: int, total_q: int, total_k: int) -> 
 
 @dataclass
 class PaddedLayout:
-    bucket: Bucket
-    n: int
     total_q: int
     total_k: int
     cu_q: torch.Tensor  # int32 [S + 2]
@@ -100,4 +98,4 @@ def pad_layout(bucket: Bucket, cu_q: torch.Tensor, cu_k: torch.Tensor) -> Padded
     S = bucket.max_segments
     pq = _pad_offsets(cu_q.to(torch.int32), S, bucket.max_tokens_q)
     pk = _pad_offsets(cu_k.to(torch.int32), S, bucket.max_tokens_k)
-    return PaddedLayout(bucket, n, total_q, total_k, pq, pk)
+    return PaddedLayout(total_q, total_k, pq, pk)

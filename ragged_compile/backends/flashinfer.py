@@ -23,6 +23,7 @@ only runs. Quirks handled here (see shared/NOTES.md):
 from __future__ import annotations
 
 import functools
+import math
 import re
 
 import torch
@@ -34,6 +35,7 @@ __all__ = [
     "padded_head_dim",
     "supports",
     "choose_backend",
+    "predicted_fa3_over_fa2",
     "causal_indptr",
     "make_wrapper",
     "workspace_shortfall",
@@ -43,9 +45,9 @@ __all__ = [
 
 PADDED_HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
-# fa2 beat fa3 on many short segments (NOTES: ~250 segments of 16-256 tokens);
-# fa3 wins clearly once segments are long. Mean k/v tokens per segment below
-# this picks fa2 under backend="auto".
+# Graph mode allows fa2 to split k/v segments across CTAs only from this mean
+# k/v length on (cudagraph.py): below it the merge kernel costs as much as the
+# attention it splits.
 AUTO_FA2_BELOW_MEAN_KV = 256
 
 
@@ -75,14 +77,79 @@ def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def choose_backend(requested: str, device: torch.device, n: int, total_k: int) -> str:
-    """Resolve "auto" to "fa2" or "fa3" for one layout; pass others through."""
+# fa3 time over fa2 time per call, measured on the H200 (bf16, ~33k tokens, both
+# kernels through this module, causal split included; bench/sweep_backends.py,
+# bench/results/sweep_backends.json), against the mean k/v tokens per segment.
+# Keyed (head-dim table, GQA group size, causal). fa3 plans take 2-10x the host
+# time of fa2 plans (0.6-9 ms against 0.2-0.8 ms), so fa3 must be predicted at
+# least _FA3_MARGIN faster to be chosen; within that margin fa2 loses little.
+_FA3_OVER_FA2 = {
+    (64, 1, False): [(17, 1.21), (36, 2.12), (63, 1.43), (133, 1.01), (320, 0.85), (645, 0.76), (1066, 0.68), (2282, 0.64), (4382, 0.63), (8192, 0.63), (32768, 0.66)],
+    (64, 1, True): [(17, 1.18), (36, 1.65), (63, 1.13), (133, 1.09), (320, 0.97), (645, 0.9), (1066, 0.78), (2282, 0.71), (4382, 0.66), (8192, 0.65), (32768, 0.65)],
+    (128, 1, False): [(17, 1.01), (36, 1.54), (63, 1.08), (133, 1.05), (320, 0.86), (645, 0.68), (1066, 0.6), (2282, 0.54), (4382, 0.53), (8192, 0.53), (32768, 0.6)],
+    (128, 1, True): [(17, 0.86), (36, 1.15), (63, 0.84), (133, 0.83), (320, 0.75), (645, 0.65), (1066, 0.58), (2282, 0.53), (4382, 0.5), (8192, 0.49), (32768, 0.56)],
+    (128, 4, False): [(17, 5.32), (36, 3.34), (63, 1.82), (133, 1.29), (320, 0.93), (645, 0.74), (1066, 0.61), (2282, 0.57), (4382, 0.59), (8192, 0.61), (32768, 0.61)],
+    (128, 4, True): [(17, 2.87), (36, 2.38), (63, 1.46), (133, 1.18), (320, 0.97), (645, 0.77), (1066, 0.66), (2282, 0.55), (4382, 0.55), (8192, 0.56), (32768, 0.6)],
+    (128, 8, False): [(17, 6.67), (36, 3.51), (63, 1.89), (133, 1.25), (320, 0.93), (645, 0.77), (1066, 0.63), (2282, 0.56), (4382, 0.53), (8192, 0.5), (32768, 0.58)],
+    (128, 8, True): [(17, 4.61), (36, 2.55), (63, 1.51), (133, 1.17), (320, 0.93), (645, 0.76), (1066, 0.63), (2282, 0.53), (4382, 0.5), (8192, 0.49), (32768, 0.49)],
+}
+_FA3_MARGIN = 0.98
+
+
+def _interp_log(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear in log(x) through `points`, clamped at both ends."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + t * (y1 - y0)
+    return points[-1][1]
+
+
+def predicted_fa3_over_fa2(mean_kv: float, hq: int, hkv: int, head_dim: int, causal: bool) -> float:
+    """fa3's predicted time over fa2's for a layout (see _FA3_OVER_FA2)."""
+    group = max(1, hq // max(hkv, 1))
+    # d <= 64 pads to 64, anything larger uses the 128 table (256 is unmeasured:
+    # fa3's advantage there is no smaller). GQA was measured at d=128 only; it
+    # favours fa2 on short segments far more than the head dim does.
+    dim = 64 if padded_head_dim(head_dim) == 64 and group == 1 else 128
+    mean_kv = max(mean_kv, 1.0)
+    if group == 1 or dim == 64:
+        return _interp_log(_FA3_OVER_FA2[(dim, 1, causal)], mean_kv)
+    # between measured group sizes 1, 4, 8: linear in log2(group)
+    at = {g: _interp_log(_FA3_OVER_FA2[(128, g, causal)], mean_kv) for g in (1, 4, 8)}
+    lg = math.log2(group)
+    if lg <= 2:
+        return at[1] + (at[4] - at[1]) * lg / 2
+    return at[4] + (at[8] - at[4]) * min(lg - 2, 1.0)
+
+
+def choose_backend(
+    requested: str,
+    device: torch.device,
+    n: int,
+    total_k: int,
+    *,
+    hq: int = 1,
+    hkv: int = 1,
+    head_dim: int = 128,
+    causal: bool = False,
+) -> str:
+    """Resolve "auto" to "fa2" or "fa3" for one layout; pass others through.
+
+    fa3 exists on SM90 only. There, the measured cost table picks fa3 where it
+    is predicted at least 2% faster than fa2 (long segments; short causal
+    segments with one k/v head per query head), fa2 elsewhere (short
+    segments, above all with GQA, where fa2 packs a group's heads into rows).
+    """
     if requested != "auto":
         return requested
     if not _is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
         return "fa2"
     mean_kv = total_k / max(n, 1)
-    return "fa2" if mean_kv < AUTO_FA2_BELOW_MEAN_KV else "fa3"
+    ratio = predicted_fa3_over_fa2(mean_kv, hq, hkv, head_dim, causal)
+    return "fa3" if ratio < _FA3_MARGIN else "fa2"
 
 
 def causal_indptr(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

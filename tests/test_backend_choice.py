@@ -1,0 +1,60 @@
+"""backend="auto" against the H200 measurements it was fitted on.
+
+bench/sweep_backends.py timed FlashInfer's fa2 and fa3 kernels side by side on
+every layout class (segment lengths, causal or not, GQA group sizes, head dims)
+into bench/results/sweep_backends.json. Whatever the rule in
+``choose_backend`` becomes, on each measured class it must pick a kernel
+within 3% of the faster one.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+from ragged_compile.backends import flashinfer as fi
+
+SWEEP = pathlib.Path(__file__).resolve().parents[1] / "bench" / "results" / "sweep_backends.json"
+ROWS = [r for r in json.loads(SWEEP.read_text())["rows"] if "error" not in r]
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    monkeypatch.setattr(fi, "_is_sm90", lambda index: True)
+
+
+def _name(r):
+    return f"{r['layout']}-{r['hq']}/{r['hkv']}-d{r['d']}-{'causal' if r['causal'] else 'full'}"
+
+
+@pytest.mark.parametrize("row", ROWS, ids=_name)
+def test_auto_is_within_3_percent_of_the_faster_kernel(sm90, row):
+    pick = fi.choose_backend(
+        "auto", torch.device("cuda", 0), row["n"], row["total"],
+        hq=row["hq"], hkv=row["hkv"], head_dim=row["d"], causal=row["causal"],
+    )
+    best = min(row["fa2_ms"], row["fa3_ms"])
+    assert row[f"{pick}_ms"] <= 1.03 * best, (pick, row)
+
+
+def test_sweep_covers_what_the_rule_distinguishes():
+    assert {r["causal"] for r in ROWS} == {False, True}
+    assert {r["hq"] // r["hkv"] for r in ROWS} >= {1, 4, 8}
+    assert {r["d"] for r in ROWS} >= {64, 128}
+    means = sorted(r["mean"] for r in ROWS)
+    assert means[0] < 32 and means[-1] > 8192
+
+
+def test_explicit_backend_passes_through_and_old_gpus_get_fa2(monkeypatch):
+    assert fi.choose_backend("fa3", torch.device("cuda", 0), 4, 32768) == "fa3"
+    monkeypatch.setattr(fi, "_is_sm90", lambda index: False)
+    assert fi.choose_backend("auto", torch.device("cuda", 0), 4, 32768, hq=16, hkv=16) == "fa2"
+
+
+def test_gqa_between_measured_group_sizes_is_monotone(sm90):
+    # group 2 lies between groups 1 and 4 on short segments
+    r1, r2, r4 = (fi.predicted_fa3_over_fa2(63, 16, hkv, 128, False) for hkv in (16, 8, 4))
+    assert min(r1, r4) <= r2 <= max(r1, r4)

@@ -86,7 +86,7 @@ def make_machine(device: str, cross: bool, split_kv="auto"):
         @initialize()
         def setup(self):
             self.model, self.ref = _models(device, dtype)
-            runtime = rc.Runtime() if device == "cuda" else None
+            runtime = rc.Runtime(device)
             self.g = GraphedModel(self.model, BUCKETS, runtime=runtime, split_kv=split_kv)
             self.used: set[Bucket] = set()
             self.eager = 0
@@ -219,14 +219,14 @@ def test_buckets_are_validated():
 
 def test_graphed_rejects_bad_offsets_and_mismatched_cross_args():
     model, _ = _models("cpu", torch.float32)
-    g = GraphedModel(model, BUCKETS)
+    g = GraphedModel(model, BUCKETS, runtime=rc.Runtime("cpu"))
     x = torch.randn(10, D_MODEL)
     with pytest.raises(ValueError, match="cu_seqlens"):
         g(x, torch.tensor([0, 4, 9]))
     with pytest.raises(ValueError, match="together"):
         g(x, torch.tensor([0, 10]), x)
     with pytest.raises(ValueError, match="split_kv"):
-        GraphedModel(model, BUCKETS, split_kv="yes")
+        GraphedModel(model, BUCKETS, runtime=rc.Runtime("cpu"), split_kv="yes")
 
 
 # -- CUDA only ----------------------------------------------------------------
@@ -270,7 +270,7 @@ def test_poisoned_pool_and_padding_rows_never_reach_outputs():
     e.x.fill_(float("nan"))
     junk = torch.full((64 << 20,), float("inf"), device="cuda")
     del junk
-    g.runtime._get_workspace().fill_(0xFF)
+    g.runtime.workspace().fill_(0xFF)
     for lens in ([3, 100, 0, 1, 1, 50], [255], [1] * 8):
         x = torch.randn(sum(lens), D_MODEL, device="cuda").to(torch.bfloat16)
         out = g(x, _cu(lens))

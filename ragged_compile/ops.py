@@ -105,11 +105,12 @@ def ragged_attention(
         if not torch.compiler.is_compiling() and (cu_seqlens_q.device.type == "cpu" or debug_checks()):
             check_cu_seqlens_values(cu_seqlens_q, q.shape[0], "cu_seqlens_q", max_seqlen_q)
             check_cu_seqlens_values(cu_seqlens_k, k.shape[0], "cu_seqlens_k", max_seqlen_k)
-    if torch.compiler.is_compiling():
-        # AOTAutograd differentiates the op through its registered autograd.
+    if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is None:
+        # Autograd and AOTAutograd differentiate the op through its registered autograd.
         return torch.ops.ragged_compile.ragged_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale)
         )
+    # Under a torch.func transform (grad, vjp, jacrev, vmap).
     return _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale))
 
 

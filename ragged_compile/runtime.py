@@ -309,12 +309,12 @@ class _ImplicitStep(_Step):
 
     def spent(self) -> bool:
         """No layout of it is usable any more, or it holds as many as it may."""
-        return self.identified >= _IMPLICIT_LAYOUTS or len(self.layouts) == 0
+        return self.identified >= _IMPLICIT_LAYOUTS or (self.identified > 0 and len(self.layouts) == 0)
 
     def _host(self, cu: torch.Tensor) -> torch.Tensor:
         host = self.reads.get((cu,))
         if host is None:
-            host = cu.to("cpu", torch.int32)
+            host = cu.to("cpu", torch.int32, copy=True)  # never an alias of the user's tensor
             self.reads.put((cu,), host)
             self.runtime._count("syncs")
         return host

@@ -268,3 +268,26 @@ def test_threads_calling_the_op_eagerly_each_get_their_layout():
     for t in threads:
         t.join()
     assert not errors
+
+
+@cuda
+def test_inference_mode_offsets_work_in_explicit_steps_and_rc_compile():
+    lens = [40, 1, 23]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(64, 4, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    rt = rc.Runtime()
+    with torch.inference_mode():
+        cu = _cu(lens, "cuda")
+        with rt.step():
+            outs = [rt.attention(q, k, v, cu, cu, False, 0.125) for _ in range(4)]
+    assert rt.stats["plans"] == 1 and rt.stats["syncs"] == 1
+    want = rc.reference_attention(q.float(), k.float(), v.float(), cu, cu, False, 0.125)
+    assert (outs[-1].float() - want).abs().max().item() < 2e-2
+
+    model = _encoder(layers=2)
+    compiled = rc.compile(model, fullgraph=True)
+    with torch.inference_mode():
+        x = _njt(lens)
+        out = compiled(x)
+    with torch.no_grad():
+        _check_per_segment(model, x, out)

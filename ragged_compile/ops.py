@@ -189,6 +189,11 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
     torch._check(
         q.dtype == k.dtype == v.dtype, lambda: f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
     )
+    torch._check(
+        q.dtype in SUPPORTED_DTYPES,
+        lambda: f"q has dtype {q.dtype}; ragged_attention takes float16, bfloat16, float32, "
+        f"float64: cast q, k and v with .to(torch.bfloat16)",
+    )
     return q.new_empty(q.shape)
 
 

@@ -169,3 +169,12 @@ def test_cuda_runtime_without_cuda_names_the_device_and_the_fix():
 def test_runtime_on_another_device_type_says_none_is_needed():
     with pytest.raises(ValueError, match=r"Runtime\(device='meta'\).*needs no runtime"):
         rc.Runtime("meta")
+
+
+def test_float8_under_compile_names_the_cast():
+    q, k, v, cq, ck = _inputs([3, 2], dtype=torch.float32)
+    f8 = torch.float8_e4m3fn
+    op = torch.ops.ragged_compile.ragged_attention
+    f = torch.compile(lambda q, k, v: op(q, k, v, cq, ck, False, 0.3), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"float8_e4m3fn.*\.to\(torch\.bfloat16\)"):
+        f(q.to(f8), k.to(f8), v.to(f8))

@@ -53,7 +53,6 @@ and ``device``, and steps are made visible to the op's kernel through steps.py.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import torch
 from torch.utils import _pytree as pytree
@@ -62,9 +61,6 @@ from .backends import flashinfer as fi
 from .buckets import Bucket, PaddedLayout, as_buckets, choose_bucket, pad_layout
 from .steps import activate
 from .validation import check_cu_seqlens_values
-
-if TYPE_CHECKING:
-    from .runtime import Runtime
 
 __all__ = ["GraphedModel", "OUTPUT_KINDS", "real_rows"]
 
@@ -212,7 +208,9 @@ class GraphedModel:
     ``syncs`` (device offsets read on the host).
     """
 
-    def __init__(self, model, buckets, *, runtime: Runtime, split_kv="auto", outputs=None):
+    def __init__(self, model, buckets, *, runtime, split_kv="auto", outputs=None):
+        # runtime: the ragged_compile.Runtime that plans for it (duck-typed: this
+        # module never imports runtime.py, which imports it).
         if split_kv not in ("auto", True, False):
             raise ValueError(f'split_kv must be "auto", True or False, got {split_kv!r}')
         if runtime is None or not hasattr(runtime, "unsupported_reason"):

@@ -437,6 +437,11 @@ class Runtime:
 
     # -- the op's CUDA kernel ------------------------------------------------
     def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float) -> torch.Tensor:
+        if q.device != self.device:
+            raise ValueError(
+                f"q is on {q.device} but this runtime serves {self.device}; use "
+                f"rc.Runtime({str(q.device)!r}) for it"
+            )
         if q.device.type != "cuda":
             self._count("reference")
             self.last_backend = "reference"

@@ -414,3 +414,20 @@ def test_reduce_overhead_keeps_every_layout_correct():
             want = ref(x.float(), _cu(lens, "cuda"))
         assert (out.float() - want).abs().max().item() < 5e-2, lens
     assert runtime.stats["flashinfer"] == 5 and runtime.stats["reference"] == 0
+
+
+def test_runtime_and_cudagraph_depend_one_way_with_no_private_names():
+    import ast
+    import pathlib
+
+    pkg = pathlib.Path(rc.__file__).parent
+
+    def imports(name):
+        tree = ast.parse((pkg / f"{name}.py").read_text())
+        return [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1]
+
+    assert not any(n.module == "runtime" for n in imports("cudagraph"))
+    for name in ("runtime", "cudagraph"):
+        for node in imports(name):
+            private = [a.name for a in node.names if a.name.startswith("_")]
+            assert not private, f"{name}.py imports private {private} from .{node.module}"

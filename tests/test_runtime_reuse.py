@@ -9,6 +9,7 @@ eager NJT models under ``enable()`` and check every output.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import logging
 import threading
@@ -152,7 +153,7 @@ cuda = pytest.mark.cuda
 
 
 def _encoder(layers=8, E=256, heads=4):
-    from tests._njt_models import SelfAttentionLayer
+    from _njt_models import SelfAttentionLayer
 
     torch.manual_seed(0)
     return torch.nn.Sequential(*[SelfAttentionLayer(E, heads) for _ in range(layers)]).to("cuda", torch.bfloat16).eval()
@@ -164,11 +165,16 @@ def _njt(lens, E=256, seed=0):
     return torch.nested.nested_tensor(parts, layout=torch.jagged)
 
 
-def _check_per_segment(model, x, out, tol=0.1):
+def _check_per_segment(model, x, out):
+    """Each segment against a float32 copy of the model run densely on it alone.
+    bf16 against float32 differs by ~0.03 after 2 layers and ~0.07 after 8 (CPU);
+    another layout's plan ([40, 24] for [10, 54]) is off by ~0.5 after 2."""
+    tol = 0.1 if len(model) <= 2 else 0.25
+    ref = copy.deepcopy(model).float()
     for seg, got in zip(x.unbind(), out.unbind()):
-        want = model(seg.unsqueeze(0))[0]  # dense, stock SDPA
+        want = ref(seg.unsqueeze(0).float())[0]  # dense, stock SDPA
         assert torch.isfinite(got).all()
-        assert (got.float() - want.float()).abs().max().item() < tol
+        assert (got.float() - want).abs().max().item() < tol
 
 
 def _delta(rt, before, key):

@@ -35,9 +35,10 @@ be checked for edits, so they get no reuse: one plan per call, said once at
 WARNING.
 
 Wrappers are owned by one step at a time (explicit or implicit, any thread);
-the pool is locked. CUDA-graph mode (cudagraph.py) builds on this module, never
-the other way round: it uses :meth:`Runtime.workspace`,
-:meth:`Runtime.unsupported_reason` and the step stack of steps.py.
+the pool is locked. This module imports cudagraph.py (for :meth:`Runtime.graphed`);
+cudagraph.py never imports this one: it uses the runtime it is given through
+:meth:`Runtime.workspace`, :meth:`Runtime.unsupported_reason` and
+:meth:`Runtime.step`, and the step stack of steps.py.
 """
 
 from __future__ import annotations

@@ -304,3 +304,136 @@ def test_inference_mode_offsets_work_in_explicit_steps_and_rc_compile():
         out = compiled(x)
     with torch.no_grad():
         _check_per_segment(model, x, out)
+
+
+# -- the whole planning path on CPU, with a stand-in for FlashInfer -------------------------
+#
+# The wrapper pool, slot ownership, implicit steps and plan reuse are host-side
+# logic. Here a fake wrapper records the layout it was planned for and "runs"
+# the reference kernel on *that* layout, so any stale or shared plan shows up
+# as a wrong output, on CPU.
+
+
+class _FakeWrapper:
+    def __init__(self):
+        self.plan = None
+
+    def run(self, q, k, v):
+        cu_q, cu_k, causal, scale = self.plan
+        return rc.reference_attention(q, k, v, cu_q, cu_k, causal, scale)
+
+
+class _FakeEvent:
+    def record(self):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    from ragged_compile.backends import flashinfer as fi
+
+    def plan(wrapper, cu_q, cu_k, hq, hkv, d, dtype, causal, scale, **kw):
+        wrapper.plan = (cu_q.clone(), cu_k.clone(), causal, scale)
+
+    monkeypatch.setattr(fi, "make_wrapper", lambda workspace, backend, **kw: _FakeWrapper())
+    monkeypatch.setattr(fi, "plan", plan)
+    monkeypatch.setattr(fi, "run", lambda wrapper, q, k, v: wrapper.run(q, k, v))
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    rt = rc.Runtime("cpu", backend="fa2", workspace_bytes=64)
+    monkeypatch.setattr(rt, "unsupported_reason", lambda q: None)
+
+    def call(q, k, v, cu_q, cu_k, causal=True, scale=0.3):
+        """What Runtime.attention does on CUDA, on CPU tensors."""
+        step = rt._step_for(cu_q, cu_k)
+        if step is None:
+            with rt.step():
+                return rt._step_for(cu_q, cu_k).attention(q, k, v, cu_q, cu_k, causal, scale)
+        return step.attention(q, k, v, cu_q, cu_k, causal, scale)
+
+    return rt, call
+
+
+def _qkv(total, seed=0, heads=2, d=8):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(total, heads, d, generator=g) for _ in range(3))
+
+
+def _want(q, k, v, cu, causal=True, scale=0.3):
+    return rc.reference_attention(q, k, v, cu, cu, causal, scale)
+
+
+def test_fake_backend_one_plan_per_offsets_tensor_and_never_a_stale_one(fake_flashinfer):
+    rt, call = fake_flashinfer
+    q, k, v = _qkv(60)
+    cu = _cu([10, 20, 30])
+    for _ in range(8):  # the layers of one forward
+        out = call(q, k, v, cu, cu)
+    assert rt.stats["plans"] == 1 and rt.stats["syncs"] == 1 and rt.stats["flashinfer"] == 8
+    torch.testing.assert_close(out, _want(q, k, v, cu))
+
+    cu.copy_(_cu([30, 20, 10]))  # in place, equal totals
+    torch.testing.assert_close(call(q, k, v, cu, cu), _want(q, k, v, cu))
+    assert rt.stats["plans"] == 2
+
+    for i, lens in enumerate(([1, 59, 0], [59, 1, 0], [0, 0, 60], [20, 20, 20], [1, 59, 0])):
+        del cu
+        cu = _cu(lens)  # the freed tensor's memory or id may come back
+        for _ in range(3):
+            out = call(q, k, v, cu, cu)
+        torch.testing.assert_close(out, _want(q, k, v, cu))
+    assert rt.stats["plans"] == 7
+
+
+def test_fake_backend_inference_offsets_plan_per_call_and_stay_right(fake_flashinfer):
+    rt, call = fake_flashinfer
+    q, k, v = _qkv(60)
+    with torch.inference_mode():
+        cu = _cu([10, 20, 30])
+        for _ in range(3):
+            out = call(q, k, v, cu, cu)
+        cu.copy_(_cu([30, 20, 10]))
+        edited = call(q, k, v, cu, cu)
+    assert rt.stats["plans"] == 4
+    torch.testing.assert_close(out, _want(q, k, v, _cu([10, 20, 30])))
+    torch.testing.assert_close(edited, _want(q, k, v, _cu([30, 20, 10])))
+
+
+def test_fake_backend_threads_never_share_a_planned_wrapper(fake_flashinfer):
+    rt, call = fake_flashinfer
+    layouts = [[10, 20, 30], [30, 20, 10], [1, 1, 58], [60, 0, 0]]
+    q, k, v = _qkv(60)
+    wants = [_want(q, k, v, _cu(l)) for l in layouts]
+    barrier = threading.Barrier(len(layouts))
+    errors = []
+
+    def run(i):
+        try:
+            for it in range(30):
+                cu = _cu(layouts[(i + it) % len(layouts)])
+                barrier.wait()  # every thread plans, then every thread runs
+                with rt.step() if it % 2 else contextlib.nullcontext():
+                    step = rt._step_for(cu, cu)
+                    step.layout_for(cu, cu, 60, 60)
+                    slot = rt._plan(step, step.layout_for(cu, cu, 60, 60), 2, 2, 8, q.dtype, True, 0.3)
+                    barrier.wait()
+                    out = slot.wrapper.run(q, k, v)
+                if not torch.equal(out, wants[(i + it) % len(layouts)]):
+                    errors.append((i, it))
+        except Exception as e:  # noqa: BLE001
+            errors.append((i, repr(e)))
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(layouts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    # Implicit steps keep their wrappers between forwards; renewed ones give them back.
+    assert max(len(p) for p in rt._pool.values()) <= 2 * len(layouts) + 4

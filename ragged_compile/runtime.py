@@ -344,16 +344,17 @@ class Runtime:
             both.
         backend: ``"auto"`` (fa3 on SM90 for long segments, fa2 otherwise),
             ``"fa2"`` or ``"fa3"``; default from ``RAGGED_COMPILE_BACKEND``, else auto.
-        workspace_bytes: FlashInfer float workspace, shared by this runtime's
-            wrappers (they run one after another on the stream).
+        workspace_bytes: FlashInfer float workspace per CUDA stream, shared by
+            this runtime's wrappers on that stream (they run one after another).
 
     ``stats`` counts ``plans``, ``syncs`` (device-to-host reads of offsets),
     ``waits`` (a plan that had to wait for an earlier plan's copy),
     ``flashinfer`` and ``reference`` calls.
 
     One runtime may serve many threads: steps are per thread, and a wrapper is
-    planned by one step at a time. Threads that run on different CUDA streams
-    should use a runtime each (the float workspace is shared by its wrappers).
+    planned by one step at a time. Wrappers used on different CUDA streams get
+    different float workspaces (``workspace_bytes`` each), so calls on two
+    streams never share scratch memory.
     """
 
     def __init__(self, device=None, *, backend: str | None = None, workspace_bytes: int = _WORKSPACE_BYTES):
@@ -382,7 +383,11 @@ class Runtime:
         self.backend = backend
         self.workspace_bytes = workspace_bytes
         self.stats: Counter = Counter()
-        self._workspace: torch.Tensor | None = None
+        # Float workspaces per CUDA stream: wrappers on two streams may run at once.
+        self._workspaces: dict[int, torch.Tensor] = {}
+        self._default_stream = (
+            torch.cuda.default_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        )
         self._pool: dict[tuple, list[_Slot]] = {}
         self._tick = 0
         self._warned: set[str] = set()
@@ -477,14 +482,22 @@ class Runtime:
         return implicit
 
     # -- planning -------------------------------------------------------------
+    def _current_stream(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return torch.cuda.current_stream(self.device).cuda_stream
+
     def _plan(self, step: _Step, layout: Layout, hq, hkv, d, dtype, causal, scale) -> _Slot:
         backend = fi.choose_backend(self.backend, self.device, layout.n, layout.total_k)
         self.last_backend = backend
-        key = (layout.id, hq, hkv, d, dtype, causal, scale, backend)
+        # The stream is part of the key: a plan's copy is ordered on the stream it
+        # was made on, and each stream has its own workspace.
+        stream = self._current_stream()
+        key = (layout.id, hq, hkv, d, dtype, causal, scale, backend, stream)
         hit = step.plans.get(key)
         if hit is not None:
             return hit[0]
-        slot = self._acquire(step, (backend, hq, hkv, fi.padded_head_dim(d), dtype, causal))
+        slot = self._acquire(step, (backend, hq, hkv, fi.padded_head_dim(d), dtype, causal, stream))
         fi.plan(slot.wrapper, layout.cu_q, layout.cu_k, hq, hkv, d, dtype, causal, scale)
         slot.event = torch.cuda.Event()
         slot.event.record()
@@ -507,7 +520,7 @@ class Runtime:
             slot = next((s for s in free if s.event is None or s.event.query()), None)
             # Past the soft limit only when every wrapper is held (other threads' steps).
             if slot is None and (len(pool) < _WRAPPERS_PER_CONFIG or not free):
-                slot = _Slot(fi.make_wrapper(self._workspace_locked(), config[0]))
+                slot = _Slot(fi.make_wrapper(self._workspace_locked(config[-1]), config[0]))
                 pool.append(slot)
             wait = slot is None
             if wait:
@@ -519,15 +532,21 @@ class Runtime:
             slot.event.synchronize()
         return slot
 
-    def workspace(self) -> torch.Tensor:
-        """FlashInfer's float workspace of this runtime (allocated on first use)."""
+    def workspace(self, stream: int | None = None) -> torch.Tensor:
+        """FlashInfer's float workspace for wrappers that run on ``stream`` (a
+        ``cuda_stream`` handle; default: the device's default stream, whose
+        workspace CUDA-graph mode shares). Allocated on first use."""
         with self._lock:
-            return self._workspace_locked()
+            return self._workspace_locked(stream)
 
-    def _workspace_locked(self) -> torch.Tensor:
-        if self._workspace is None:
-            self._workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
-        return self._workspace
+    def _workspace_locked(self, stream: int | None = None) -> torch.Tensor:
+        stream = self._default_stream if stream is None else stream
+        ws = self._workspaces.get(stream)
+        if ws is None:
+            ws = self._workspaces[stream] = torch.empty(
+                self.workspace_bytes, dtype=torch.uint8, device=self.device
+            )
+        return ws
 
     def unsupported_reason(self, q: torch.Tensor) -> str | None:
         """Why this runtime would run the reference kernel for ``q``, or None for FlashInfer."""

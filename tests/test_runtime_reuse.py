@@ -259,19 +259,24 @@ def test_threads_calling_the_op_eagerly_each_get_their_layout():
 
     rt = get_runtime(torch.device("cuda"))
 
+    torch.cuda.synchronize()  # inputs ready before side streams read them
+
     def run(i):
+        # Odd threads run on a stream of their own: wrappers there get their own workspace.
+        stream = torch.cuda.Stream() if i % 2 else torch.cuda.current_stream()
         try:
-            for it in range(20):
-                cu = _cu(layouts[i], "cuda")
-                # Implicit steps, and explicit ones (as rc.compile opens), on one runtime:
-                # a wrapper is planned by one step at a time, whatever the thread.
-                with rt.step() if it % 2 else contextlib.nullcontext():
-                    for _ in range(4):  # layers sharing one offsets tensor
-                        out = rc.ragged_attention(q, k, v, cu, causal=True, scale=0.125)
-                err = (out.float() - wants[i]).abs().max().item()
-                if err > 2e-2:
-                    errors.append((i, err))
-            torch.cuda.synchronize()
+            with torch.cuda.stream(stream):
+                for it in range(20):
+                    cu = _cu(layouts[i], "cuda")
+                    # Implicit steps, and explicit ones (as rc.compile opens), on one
+                    # runtime: a wrapper is planned by one step at a time, whatever the thread.
+                    with rt.step() if it % 2 else contextlib.nullcontext():
+                        for _ in range(4):  # layers sharing one offsets tensor
+                            out = rc.ragged_attention(q, k, v, cu, causal=True, scale=0.125)
+                    err = (out.float() - wants[i]).abs().max().item()
+                    if err > 2e-2:
+                        errors.append((i, err))
+                torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001
             errors.append((i, repr(e)))
 
@@ -281,6 +286,7 @@ def test_threads_calling_the_op_eagerly_each_get_their_layout():
     for t in threads:
         t.join()
     assert not errors
+    assert len(rt._workspaces) >= 3  # the default stream's and one per side stream
 
 
 @cuda

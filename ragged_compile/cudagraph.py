@@ -11,8 +11,10 @@
    re-plans every FlashInfer wrapper of the bucket for the new layout: the
    captured kernels read the plan from the wrappers' static buffers, so a replay
    computes the new layout, never the one seen at capture;
-4. replays, and returns the real rows of the output (copied: the next replay
-   overwrites the static output).
+4. replays, and returns the real rows of every output (copied: the next replay
+   overwrites the static output): the real tokens' rows of per-token outputs,
+   the real segments' rows of per-segment outputs (a pooled embedding per
+   segment), see :func:`real_rows`.
 
 A layout larger than every bucket runs eagerly under ``runtime.step`` with the
 host lengths, so it costs no sync and is still correct.
@@ -41,6 +43,11 @@ partitions around it (attention then runs un-graphed, always correct).
 
 On CPU there is nothing to capture: the same bookkeeping runs and the model is
 called on the padded static buffers directly, which is what CI tests.
+
+This module builds on runtime.py's public surface without importing it (runtime.py
+imports this one for ``Runtime.graphed``): the runtime it is given supplies
+``workspace()``, ``unsupported_reason(q)``, ``step(...)``, ``stats``, ``backend``
+and ``device``, and steps are made visible to the op's kernel through steps.py.
 """
 
 from __future__ import annotations
@@ -48,14 +55,62 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils import _pytree as pytree
 
 from .backends import flashinfer as fi
 from .buckets import Bucket, PaddedLayout, as_buckets, choose_bucket, pad_layout
-from .runtime import Runtime, _activate, get_runtime
+from .steps import activate
 from .validation import check_cu_seqlens_values
 
-__all__ = ["GraphedModel"]
+__all__ = ["GraphedModel", "OUTPUT_KINDS", "real_rows"]
+
+OUTPUT_KINDS = ("auto", "tokens", "segments", "whole")
+
+
+def _check_outputs(outputs) -> None:
+    if outputs is None:
+        return
+    for kind in pytree.tree_leaves(outputs):
+        if kind not in OUTPUT_KINDS:
+            raise ValueError(
+                f"outputs must be one of {OUTPUT_KINDS} or a pytree of them shaped like the "
+                f"model's output, got {kind!r}"
+            )
+
+
+def real_rows(out, outputs, *, rows: int, segments: int, total_q: int, n: int):
+    """The rows of a padded call's output that belong to the real layout, copied.
+
+    ``rows``/``segments``: the bucket's token rows and the segments the model
+    saw (the bucket's segments plus the padding segment); ``total_q``/``n``: the
+    real tokens and segments. ``outputs`` (see ``Runtime.graphed``) says per
+    output tensor whether its first dimension runs over ``"tokens"``,
+    ``"segments"`` or neither (``"whole"``); ``"auto"`` or None tells by size.
+    """
+    def leaf(kind, t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        size = t.shape[0] if t.dim() else None
+        if kind == "auto":
+            if rows == segments and size == rows:
+                raise ValueError(
+                    f"an output has {size} rows, which is both this bucket's token rows and "
+                    f"its segments + 1: pass outputs='tokens' or 'segments' to graphed()"
+                )
+            kind = "tokens" if size == rows else "segments" if size == segments else "whole"
+        want = {"tokens": rows, "segments": segments}.get(kind)
+        if want is not None and size != want:
+            raise ValueError(
+                f"an output declared {kind!r} has shape {tuple(t.shape)}, but the bucket gives "
+                f"{want} {kind} rows (dim 0); fix the outputs= given to graphed()"
+            )
+        keep = {"tokens": total_q, "segments": n}.get(kind)
+        return (t if keep is None else t[:keep]).clone()
+
+    if outputs is None or isinstance(outputs, str):
+        kind = outputs or "auto"
+        return pytree.tree_map(lambda t: leaf(kind, t), out)
+    return pytree.tree_map(lambda kind, sub: pytree.tree_map(lambda t: leaf(kind, t), sub), outputs, out)
 
 
 def _pinned(t: torch.Tensor) -> torch.Tensor:
@@ -119,7 +174,7 @@ class _GraphStep:
         self.entry = entry
 
     def attention(self, q, k, v, cu_q, cu_k, causal, scale):
-        reason = self.runtime._unsupported(q)
+        reason = self.runtime.unsupported_reason(q)
         if reason is not None:  # the reference kernel reads offsets on the host: not capturable
             raise ValueError(f"CUDA-graph mode runs FlashInfer only: {reason}")
         e = self.entry
@@ -147,14 +202,24 @@ class _GraphStep:
 class GraphedModel:
     """``model`` under CUDA graphs across varying layouts; see the module docstring.
 
+    Made by ``Runtime.graphed`` (which documents ``split_kv`` and ``outputs``).
     ``stats`` counts ``captures``, ``replays``, ``eager`` (layouts over every
     bucket), ``plans``, ``waits`` (a plan that waited for a staging copy) and
     ``syncs`` (device offsets read on the host).
     """
 
-    def __init__(self, model, buckets, *, runtime: Runtime | None = None, split_kv="auto"):
+    def __init__(self, model, buckets, *, runtime, split_kv="auto", outputs=None):
+        # runtime: the ragged_compile.Runtime that plans for it (duck-typed: this
+        # module never imports runtime.py, which imports it).
         if split_kv not in ("auto", True, False):
             raise ValueError(f'split_kv must be "auto", True or False, got {split_kv!r}')
+        if runtime is None or not hasattr(runtime, "unsupported_reason"):
+            raise TypeError(
+                "GraphedModel needs the ragged_compile.Runtime that plans for it; "
+                "make it with rc.Runtime().graphed(model, buckets)"
+            )
+        _check_outputs(outputs)
+        self.outputs = outputs
         self.model = model
         self.buckets = as_buckets(buckets)
         self.runtime = runtime
@@ -167,6 +232,11 @@ class GraphedModel:
     def __call__(self, x, cu_seqlens, kv=None, cu_seqlens_k=None):
         if (kv is None) != (cu_seqlens_k is None):
             raise ValueError("pass kv and cu_seqlens_k together (cross-attention), or neither")
+        if x.device != self.runtime.device:
+            raise ValueError(
+                f"x is on {x.device} but this model's runtime serves {self.runtime.device}; "
+                f"make the runtime for x's device: rc.Runtime({str(x.device)!r}).graphed(...)"
+            )
         if cu_seqlens.device.type != "cpu":
             self.stats["syncs"] += 1
         cu_q = cu_seqlens.to("cpu", torch.int64)
@@ -196,10 +266,9 @@ class GraphedModel:
         else:  # CPU: the same buffers, no graph
             out = self.model(*entry.args())
         self.stats["replays"] += 1
-        rows = bucket.max_tokens_q
-        return tree_map(
-            lambda t: t[:total_q].clone() if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows else t,
-            out,
+        return real_rows(
+            out, self.outputs, rows=bucket.max_tokens_q, segments=bucket.max_segments + 1,
+            total_q=total_q, n=n,
         )
 
     # -- pieces ---------------------------------------------------------------
@@ -212,7 +281,7 @@ class GraphedModel:
         args = (x, cu_seqlens) if kv is None else (x, cu_seqlens, kv, cu_seqlens_k)
         if x.device.type != "cuda":
             return self.model(*args)
-        rt = self.runtime or get_runtime(x.device)
+        rt = self.runtime
         lens_q = (cu_q[1:] - cu_q[:-1]).tolist()
         lens_k = None if kv is None else (cu_k[1:] - cu_k[:-1]).tolist()
         with rt.step(lens_q, lens_k):
@@ -266,7 +335,7 @@ class GraphedModel:
         prime_q[0] = prime_k[0] = 0
         for attempt in range(3):
             if self._workspace is None:
-                self._workspace = self.runtime._get_workspace()
+                self._workspace = self.runtime.workspace()
             wrapper = fi.make_wrapper(
                 self._workspace,
                 backend,
@@ -294,19 +363,17 @@ class GraphedModel:
         if x.device.type != "cuda":
             self.entries[bucket] = e
             return e
-        if self.runtime is None:
-            self.runtime = get_runtime(x.device)
         step = _GraphStep(self, e)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), _activate(step):
+        with torch.cuda.stream(side), activate(step):
             for _ in range(2):  # the first call compiles (torch.compile) and creates wrappers
                 self.model(*e.args())
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         e.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(e.graph, pool=self._pool), _activate(step):
+        with torch.cuda.graph(e.graph, pool=self._pool), activate(step):
             e.out = self.model(*e.args())
         self.stats["captures"] += 1
         self.entries[bucket] = e  # only once captured: a failed capture leaves no half-built entry

@@ -6,12 +6,9 @@ import torch
 
 from .reference import reference_attention, reference_attention_backward
 from .runtime import get_runtime
-from .validation import check_cu_seqlens_values, check_inputs, debug_checks
+from .validation import SUPPORTED_DTYPES, check_cu_seqlens_values, check_inputs, debug_checks
 
 __all__ = ["ragged_attention", "SUPPORTED_DTYPES", "unsupported_reason"]
-
-# Dtypes the op computes (the reference kernel); FlashInfer takes fp16/bf16.
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim) -> str | None:
@@ -108,9 +105,27 @@ def ragged_attention(
         if not torch.compiler.is_compiling() and (cu_seqlens_q.device.type == "cpu" or debug_checks()):
             check_cu_seqlens_values(cu_seqlens_q, q.shape[0], "cu_seqlens_q", max_seqlen_q)
             check_cu_seqlens_values(cu_seqlens_k, k.shape[0], "cu_seqlens_k", max_seqlen_k)
-    return torch.ops.ragged_compile.ragged_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale)
-    )
+    if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is None:
+        # Autograd and AOTAutograd differentiate the op through its registered autograd.
+        return torch.ops.ragged_compile.ragged_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale)
+        )
+    # Under a torch.func transform (grad, vjp, jacrev, vmap).
+    return _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale))
+
+
+# TorchScript cannot compile the function above (keyword-only arguments, Python
+# checks); torch.jit.script raises this instead of a parser error about line 46.
+setattr(
+    ragged_attention,
+    "__script_unsupported",
+    "ragged_compile.ragged_attention cannot be compiled by TorchScript (keyword-only "
+    "arguments and Python-side argument checks). In scripted code call the op with every "
+    "argument given: torch.ops.ragged_compile.ragged_attention(q, k, v, cu_seqlens_q, "
+    "cu_seqlens_k, causal, scale), with cu_seqlens_k = cu_seqlens_q for self-attention and "
+    "scale = head_dim ** -0.5 by default; or use torch.compile / ragged_compile.compile "
+    "instead of torch.jit.script",
+)
 
 
 def check_values(q, k, cu_seqlens_q, cu_seqlens_k):
@@ -156,6 +171,10 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
         lambda: f"q, k, v head_dim differ: {q.shape[2]}, {k.shape[2]}, {v.shape[2]}",
     )
     torch._check(
+        k.shape[1] >= 1 and q.shape[1] >= 1,
+        lambda: f"q heads ({q.shape[1]}) and k/v heads ({k.shape[1]}) must be >= 1",
+    )
+    torch._check(
         q.shape[1] % k.shape[1] == 0,
         lambda: f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})",
     )
@@ -169,6 +188,11 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
     )
     torch._check(
         q.dtype == k.dtype == v.dtype, lambda: f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
+    )
+    torch._check(
+        q.dtype in SUPPORTED_DTYPES,
+        lambda: f"q has dtype {q.dtype}; ragged_attention takes float16, bfloat16, float32, "
+        f"float64: cast q, k and v with .to(torch.bfloat16)",
     )
     return q.new_empty(q.shape)
 
@@ -202,13 +226,87 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     q, k, v, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = torch.ops.ragged_compile.ragged_attention_backward(
-        grad_out, q, k, v, cu_q, cu_k, ctx.causal, ctx.scale
-    )
+    dq, dk, dv = _AttentionBackward.apply(grad_out, q, k, v, cu_q, cu_k, ctx.causal, ctx.scale)
     return dq, dk, dv, None, None, None, None
 
 
 _ragged_attention.register_autograd(_backward, setup_context=_setup_context)
+
+_NO_DOUBLE_BACKWARD = (
+    "ragged_compile.ragged_attention has no double backward: its gradients are computed by "
+    "an exact reference kernel that is not itself differentiable, so gradients of gradients "
+    "(backward through a graph made with create_graph=True, torch.func.hessian, jacrev of "
+    "grad) are not available. Take first-order gradients only (create_graph=False), or "
+    "compute higher-order terms with a dense attention such as "
+    "torch.nn.functional.scaled_dot_product_attention per segment"
+)
+_NO_FORWARD_AD = (
+    "ragged_compile.ragged_attention has no forward-mode AD (torch.func.jvp, jacfwd, hessian, "
+    "torch.autograd.forward_ad); use reverse mode (torch.func.vjp, jacrev, grad) instead"
+)
+
+
+def _vmap_per_element(fn, info, in_dims, *args):
+    """A vmap rule that calls ``fn`` once per batch element: every call may carry
+    its own layout, and the kernels take one layout per call."""
+    outs = []
+    for i in range(info.batch_size):
+        outs.append(fn(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims))))
+    if isinstance(outs[0], tuple):
+        return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
+    return torch.stack(outs), 0
+
+
+class _Attention(torch.autograd.Function):
+    """The op with the op's own backward, as an autograd.Function with
+    setup_context and a vmap rule, which torch.func requires and the Function
+    torch.library generates for register_autograd lacks (torch 2.13)."""
+
+    @staticmethod
+    def forward(q, k, v, cu_q, cu_k, causal, scale):
+        return torch.ops.ragged_compile.ragged_attention(q, k, v, cu_q, cu_k, causal, scale)
+
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(_NO_FORWARD_AD)
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, cu_q, cu_k, causal, scale):
+        return _vmap_per_element(
+            lambda *a: _Attention.apply(*a, causal, scale), info, in_dims[:5], q, k, v, cu_q, cu_k
+        )
+
+
+class _AttentionBackward(torch.autograd.Function):
+    """The backward op; differentiating it raises what the user can do instead."""
+
+    @staticmethod
+    def forward(grad_out, q, k, v, cu_q, cu_k, causal, scale):
+        return torch.ops.ragged_compile.ragged_attention_backward(
+            grad_out, q, k, v, cu_q, cu_k, causal, scale
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_NO_DOUBLE_BACKWARD)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(_NO_FORWARD_AD)
+
+    @staticmethod
+    def vmap(info, in_dims, grad_out, q, k, v, cu_q, cu_k, causal, scale):
+        return _vmap_per_element(
+            lambda *a: _AttentionBackward.apply(*a, causal, scale),
+            info, in_dims[:6], grad_out, q, k, v, cu_q, cu_k,
+        )
 
 
 @_ragged_attention.register_kernel("cuda")

@@ -19,7 +19,26 @@ How the op's CUDA kernel finds its plan with no host work on the hot path:
 Matching a tensor against lengths given to ``step()`` is by (segments, q tokens,
 k tokens) alone; where two declared layouts share those, the kernel falls back
 to reading the offsets (counted as a sync). Under ``RAGGED_COMPILE_DEBUG=1``
-every match is also checked against the tensor's values.
+every match is also checked against the tensor's values. Inference tensors
+(made under ``torch.inference_mode()``) track no version: within one step their
+offsets must not be edited in place.
+
+Without a step (eager code under :func:`ragged_compile.enable`), each thread
+keeps an *implicit step* per runtime: a plan is reused while the very offsets
+tensors it was made from are alive and unmodified (:class:`OffsetsCache`: object
+identity through a weak reference, so a freed tensor whose id or memory is
+reused never matches, plus the in-place version). An eager 8-layer forward over
+one NJT therefore plans and syncs once, not 8 times. The implicit step is
+replaced (its wrappers returned to the pool) once none of its offsets are alive
+and unmodified, or after ``_IMPLICIT_LAYOUTS`` layouts. Inference tensors cannot
+be checked for edits, so they get no reuse: one plan per call, said once at
+WARNING.
+
+Wrappers are owned by one step at a time (explicit or implicit, any thread);
+the pool is locked. This module imports cudagraph.py (for :meth:`Runtime.graphed`);
+cudagraph.py never imports this one: it uses the runtime it is given through
+:meth:`Runtime.workspace`, :meth:`Runtime.unsupported_reason` and
+:meth:`Runtime.step`, and the step stack of steps.py.
 """
 
 from __future__ import annotations
@@ -29,23 +48,88 @@ import logging
 import os
 import threading
 import warnings
-from collections import Counter
+import weakref
+from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from .backends import flashinfer as fi
+from .cudagraph import GraphedModel
 from .reference import reference_attention
+from .steps import activate, current_step
 from .validation import check_cu_seqlens_values, debug_checks
 
-__all__ = ["Runtime", "Layout", "get_runtime", "current_step"]
+__all__ = ["Runtime", "Layout", "OffsetsCache", "get_runtime", "current_step"]
 
 log = logging.getLogger("ragged_compile")
 
 _WORKSPACE_BYTES = 256 << 20
 _WRAPPERS_PER_CONFIG = 8  # beyond this a step waits for an old plan's copy to land
+_IMPLICIT_LAYOUTS = 4  # layouts an implicit step keeps planned (wrappers it holds per config)
 _ids = itertools.count()
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    """The in-place version counter of ``t``; None for inference tensors, which keep none."""
+    return None if t.is_inference() else t._version
+
+
+class OffsetsCache:
+    """Values computed from offsets tensors, valid while those very tensors are
+    alive and unmodified.
+
+    A hit needs the same tensor objects, checked through weak references (a
+    freed tensor whose ``id`` or memory is reused by new offsets never matches),
+    at the same in-place version (``cu.copy_(...)``, ``cu[1] = ...`` on it or on
+    any view miss). Inference tensors keep no version, so they are never stored
+    (``put`` returns False). At most ``capacity`` entries, least recently used
+    dropped first. Not thread-safe: keep one per thread.
+    """
+
+    def __init__(self, capacity: int = _IMPLICIT_LAYOUTS):
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple, tuple] = OrderedDict()
+
+    @staticmethod
+    def _valid(entry, tensors) -> bool:
+        refs, versions, _ = entry
+        return all(r() is t for r, t in zip(refs, tensors)) and versions == tuple(
+            tensor_version(t) for t in tensors
+        )
+
+    def get(self, tensors: tuple[torch.Tensor, ...]):
+        key = tuple(map(id, tensors))
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if not self._valid(entry, tensors):
+            del self._entries[key]
+            return None
+        self._entries.move_to_end(key)
+        return entry[2]
+
+    def put(self, tensors: tuple[torch.Tensor, ...], value) -> bool:
+        versions = tuple(tensor_version(t) for t in tensors)
+        if None in versions:
+            return False
+        self.prune()
+        while len(self._entries) >= self.capacity:
+            self._entries.popitem(last=False)
+        self._entries[tuple(map(id, tensors))] = (tuple(weakref.ref(t) for t in tensors), versions, value)
+        return True
+
+    def prune(self) -> None:
+        """Drop entries whose tensors were freed or edited in place."""
+        for key, entry in list(self._entries.items()):
+            tensors = tuple(r() for r in entry[0])
+            if any(t is None for t in tensors) or not self._valid(entry, tensors):
+                del self._entries[key]
+
+    def __len__(self) -> int:
+        self.prune()
+        return len(self._entries)
 
 
 def _as_offsets(lengths) -> torch.Tensor:
@@ -98,6 +182,10 @@ class _Slot:
         self.wrapper = wrapper
         self.event: torch.cuda.Event | None = None
         self.last_used = 0
+        self.owner: weakref.ref | None = None  # the step planning it; free once that is gone
+
+    def free(self) -> bool:
+        return self.owner is None or self.owner() is None
 
 
 class _Step:
@@ -112,7 +200,9 @@ class _Step:
 
     @staticmethod
     def _key(cu: torch.Tensor) -> tuple:
-        return (cu.data_ptr(), cu._version, cu.numel(), cu.dtype)
+        # The step holds every tensor it identified, so the address is not reused
+        # while the step lives; the version catches in-place edits.
+        return (cu.data_ptr(), tensor_version(cu), cu.numel(), cu.dtype)
 
     def prefetch(self, cu: torch.Tensor) -> None:
         """Start copying device offsets to the host now, without waiting.
@@ -137,11 +227,11 @@ class _Step:
             host, event = hit
             event.synchronize()
             hit = self.host[key] = host.to(torch.int32)
-            self.runtime.stats["syncs"] += 1
+            self.runtime._count("syncs")
         elif hit is None:
             hit = self.host[key] = cu.to("cpu", torch.int32)
             self.held.append(cu)
-            self.runtime.stats["syncs"] += 1
+            self.runtime._count("syncs")
         return hit
 
     def layout_for(self, cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int) -> Layout:
@@ -174,12 +264,20 @@ class _Step:
         self.by_tensor[key] = layout
         return layout
 
+    def release(self, tick: int) -> None:
+        """Give this step's wrappers back to the pool."""
+        for slot in self.slots:
+            slot.last_used = tick
+            slot.owner = None
+        self.slots = []
+
     def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float) -> torch.Tensor:
         rt = self.runtime
-        reason = rt._unsupported(q)
+        reason = rt.unsupported_reason(q)
         if reason is not None:
-            rt._warn_once(reason)
-            rt.stats["reference"] += 1
+            if q.device.type == "cuda":
+                rt._warn_once(reason)
+            rt._count("reference")
             rt.last_backend = "reference"
             return reference_attention(q, k, v, cu_q, cu_k, causal, scale)
         total_q, total_k = q.shape[0], k.shape[0]
@@ -193,42 +291,70 @@ class _Step:
         if total_k == 0:
             return q.new_zeros(q.shape)
         slot = rt._plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale)
-        rt.stats["flashinfer"] += 1
+        rt._count("flashinfer")
         return fi.run(slot.wrapper, q, k, v)
 
 
-_local = threading.local()
+class _ImplicitStep(_Step):
+    """The step of calls made outside any ``Runtime.step`` on one thread: layouts
+    are found through :class:`OffsetsCache`, and nothing is held alive."""
 
+    def __init__(self, runtime: Runtime):
+        super().__init__(runtime, [])
+        self.layouts = OffsetsCache(_IMPLICIT_LAYOUTS)
+        self.identified = 0  # layouts planned for (the wrappers it holds grow with it)
+        self.reads = OffsetsCache(2 * _IMPLICIT_LAYOUTS)  # host copies, per tensor
 
-@contextmanager
-def _activate(step):
-    """Make `step` the one the op's CUDA kernel sees on this thread."""
-    stack = _local.__dict__.setdefault("steps", [])
-    stack.append(step)
-    try:
-        yield step
-    finally:
-        stack.pop()
+    def knows(self, cu_q: torch.Tensor, cu_k: torch.Tensor) -> bool:
+        return self.layouts.get((cu_q, cu_k)) is not None
 
+    def spent(self) -> bool:
+        """No layout of it is usable any more, or it holds as many as it may."""
+        return self.identified >= _IMPLICIT_LAYOUTS or (self.identified > 0 and len(self.layouts) == 0)
 
-def current_step() -> _Step | None:
-    stack = getattr(_local, "steps", None)
-    return stack[-1] if stack else None
+    def _host(self, cu: torch.Tensor) -> torch.Tensor:
+        host = self.reads.get((cu,))
+        if host is None:
+            host = cu.to("cpu", torch.int32, copy=True)  # never an alias of the user's tensor
+            self.reads.put((cu,), host)
+            self.runtime._count("syncs")
+        return host
+
+    def layout_for(self, cu_q, cu_k, total_q: int, total_k: int) -> Layout:
+        layout = self.layouts.get((cu_q, cu_k))
+        if layout is not None:
+            return layout
+        host_q, host_k = self._host(cu_q), self._host(cu_k)
+        check_cu_seqlens_values(host_q, total_q, "cu_seqlens_q")
+        check_cu_seqlens_values(host_k, total_k, "cu_seqlens_k")
+        layout = Layout(host_q, host_k)
+        self.layouts.put((cu_q, cu_k), layout)
+        self.identified += 1
+        return layout
 
 
 class Runtime:
     """Owns FlashInfer wrappers and workspaces for one CUDA device.
 
     Args:
-        device: the CUDA device (default: the current one).
+        device: the CUDA device (default: the current one), or ``"cpu"``. With
+            no CUDA device, ``Runtime()`` is a CPU runtime: the op runs the
+            reference kernel there, steps cost nothing and :meth:`graphed` runs
+            its bookkeeping without capturing graphs, so the same code runs on
+            both.
         backend: ``"auto"`` (fa3 on SM90 for long segments, fa2 otherwise),
             ``"fa2"`` or ``"fa3"``; default from ``RAGGED_COMPILE_BACKEND``, else auto.
-        workspace_bytes: FlashInfer float workspace, shared by this runtime's
-            wrappers (they run one after another on the stream).
+        workspace_bytes: FlashInfer float workspace per CUDA stream, shared by
+            this runtime's wrappers on that stream (they run one after another).
 
     ``stats`` counts ``plans``, ``syncs`` (device-to-host reads of offsets),
     ``waits`` (a plan that had to wait for an earlier plan's copy),
     ``flashinfer`` and ``reference`` calls.
+
+    One runtime may serve many threads: steps are per thread, and a wrapper is
+    planned by one step at a time. Wrappers used on different CUDA streams get
+    different float workspaces (``workspace_bytes`` each), so calls on two
+    streams never share scratch memory.
     """
 
     def __init__(self, device=None, *, backend: str | None = None, workspace_bytes: int = _WORKSPACE_BYTES):
@@ -236,17 +362,42 @@ class Runtime:
             backend = os.environ.get("RAGGED_COMPILE_BACKEND", "auto")
         if backend not in ("auto", "fa2", "fa3"):
             raise ValueError(f"backend must be 'auto', 'fa2' or 'fa3', got {backend!r}")
-        self.device = torch.device(device if device is not None else "cuda")
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type not in ("cuda", "cpu"):
+            raise ValueError(
+                f"Runtime(device={str(self.device)!r}): the runtime serves 'cuda' (FlashInfer) or "
+                f"'cpu'; on other devices the op runs the reference kernel and needs no runtime"
+            )
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(
+                    f"Runtime(device={str(self.device)!r}): this PyTorch has no usable CUDA device "
+                    f"(torch.cuda.is_available() is False). Use Runtime('cpu') (or Runtime(), "
+                    f"which picks CPU here): the CPU op runs the reference kernel and graphed() "
+                    f"runs without capture; install a CUDA build of PyTorch for FlashInfer"
+                )
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
         self.backend = backend
         self.workspace_bytes = workspace_bytes
         self.stats: Counter = Counter()
-        self._workspace: torch.Tensor | None = None
+        # Float workspaces per CUDA stream: wrappers on two streams may run at once.
+        self._workspaces: dict[int, torch.Tensor] = {}
+        self._default_stream = (
+            torch.cuda.default_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        )
         self._pool: dict[tuple, list[_Slot]] = {}
         self._tick = 0
         self._warned: set[str] = set()
+        self._lock = threading.Lock()  # the wrapper pool, the workspace, stats, the tick
+        self._local = threading.local()  # this thread's implicit step
         self.last_backend: str | None = None  # what the last call ran: "fa2", "fa3", "reference"
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.stats[name] += n
 
     # -- steps ---------------------------------------------------------------
     @contextmanager
@@ -266,74 +417,142 @@ class Runtime:
                 declared += [Layout(lay.cu_q, lay.cu_q), Layout(lay.cu_k, lay.cu_k)]
         step = _Step(self, declared)
         try:
-            with _activate(step):
+            with activate(step):
                 yield step
         finally:
-            for slot in step.slots:
-                slot.last_used = self._tick
+            self._release(step)
+
+    def _release(self, step: _Step) -> None:
+        with self._lock:
+            step.release(self._tick)
             self._tick += 1
 
-    def graphed(self, model, buckets, *, split_kv="auto"):
+    def graphed(self, model, buckets, *, split_kv="auto", outputs=None):
         """Run ``model(x, cu_seqlens[, kv, cu_seqlens_k])`` under CUDA graphs,
         one capture per bucket, re-planned before every replay: see cudagraph.py.
-        ``split_kv`` ("auto", True or False) decides whether fa2 may split long
-        k/v segments in graph mode; "auto" allows it for buckets of long segments."""
-        from .cudagraph import GraphedModel
 
-        return GraphedModel(model, buckets, runtime=self, split_kv=split_kv)
+        ``split_kv`` ("auto", True or False) decides whether fa2 may split long
+        k/v segments in graph mode; "auto" allows it for buckets of long segments.
+        ``outputs`` says which rows of each output are real: ``"tokens"`` (one
+        row per token: the real tokens' rows come back), ``"segments"`` (one row
+        per segment, as pooled embeddings: the real segments' rows come back) or
+        ``"whole"`` (returned as is); one string for every output tensor or a
+        pytree of them shaped like the output. ``None`` decides by each output's
+        first dimension (the bucket's token rows, or its segments + 1)."""
+        return GraphedModel(model, buckets, runtime=self, split_kv=split_kv, outputs=outputs)
 
     # -- the op's CUDA kernel ------------------------------------------------
     def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float) -> torch.Tensor:
-        step = current_step()
-        if step is None or step.runtime is not self:
+        if q.device != self.device:
+            raise ValueError(
+                f"q is on {q.device} but this runtime serves {self.device}; use "
+                f"rc.Runtime({str(q.device)!r}) for it"
+            )
+        if q.device.type != "cuda":
+            self._count("reference")
+            self.last_backend = "reference"
+            return reference_attention(q, k, v, cu_q, cu_k, causal, scale)
+        step = self._step_for(cu_q, cu_k)
+        if step is None:  # offsets that cannot be checked for edits: a step per call
             with self.step():
                 return self.attention(q, k, v, cu_q, cu_k, causal, scale)
         return step.attention(q, k, v, cu_q, cu_k, causal, scale)
 
+    def _step_for(self, cu_q: torch.Tensor, cu_k: torch.Tensor) -> _Step | None:
+        """The step a call with these offsets runs in: the thread's active step of
+        this runtime, else its implicit step (renewed when stale or full), else
+        None for inference-tensor offsets, whose edits cannot be seen."""
+        step = current_step()
+        if step is not None and step.runtime is self:
+            return step
+        if tensor_version(cu_q) is None or tensor_version(cu_k) is None:
+            self._log_once(
+                "offsets are inference tensors (made under torch.inference_mode()), which "
+                "track no in-place edits, so ragged_compile cannot reuse a plan across layers "
+                "and plans (and reads offsets) at every attention call; run the forward under "
+                "torch.no_grad(), inside Runtime.step(), or through ragged_compile.compile"
+            )
+            return None
+        implicit = getattr(self._local, "implicit", None)
+        if implicit is not None and (implicit.knows(cu_q, cu_k) or not implicit.spent()):
+            return implicit
+        if implicit is not None:
+            self._release(implicit)
+        implicit = self._local.implicit = _ImplicitStep(self)
+        return implicit
+
     # -- planning -------------------------------------------------------------
+    def _current_stream(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return torch.cuda.current_stream(self.device).cuda_stream
+
     def _plan(self, step: _Step, layout: Layout, hq, hkv, d, dtype, causal, scale) -> _Slot:
         backend = fi.choose_backend(self.backend, self.device, layout.n, layout.total_k)
         self.last_backend = backend
-        key = (layout.id, hq, hkv, d, dtype, causal, scale, backend)
+        # The stream is part of the key: a plan's copy is ordered on the stream it
+        # was made on, and each stream has its own workspace.
+        stream = self._current_stream()
+        key = (layout.id, hq, hkv, d, dtype, causal, scale, backend, stream)
         hit = step.plans.get(key)
         if hit is not None:
             return hit[0]
-        slot = self._acquire(step, (backend, hq, hkv, fi.padded_head_dim(d), dtype, causal))
+        slot = self._acquire(step, (backend, hq, hkv, fi.padded_head_dim(d), dtype, causal, stream))
         fi.plan(slot.wrapper, layout.cu_q, layout.cu_k, hq, hkv, d, dtype, causal, scale)
         slot.event = torch.cuda.Event()
         slot.event.record()
-        self.stats["plans"] += 1
+        self._count("plans")
         step.plans[key] = (slot, layout)
         return slot
 
     def _acquire(self, step: _Step, config: tuple) -> _Slot:
-        """A wrapper of this config not used in this step, whose last plan's copy
-        has landed: FlashInfer stages the plan in a pinned buffer per wrapper, and
-        re-planning while that copy is in flight would corrupt it."""
-        pool = self._pool.setdefault(config, [])
-        free = sorted((s for s in pool if s not in step.slots), key=lambda s: s.last_used)
-        slot = next((s for s in free if s.event is None or s.event.query()), None)
-        if slot is None and len(pool) < _WRAPPERS_PER_CONFIG:
-            slot = _Slot(fi.make_wrapper(self._get_workspace(), config[0]))
-            pool.append(slot)
-        if slot is None:
-            if not free:
+        """A wrapper of this config that no live step holds, whose last plan's
+        copy has landed: FlashInfer stages the plan in a pinned buffer per
+        wrapper, and re-planning while that copy is in flight would corrupt it."""
+        with self._lock:
+            pool = self._pool.setdefault(config, [])
+            mine = sum(1 for s in step.slots if s in pool)
+            if mine >= _WRAPPERS_PER_CONFIG:
                 raise RuntimeError(
                     f"more than {_WRAPPERS_PER_CONFIG} layouts of one configuration in one step"
                 )
-            slot = free[0]
-            self.stats["waits"] += 1
+            free = sorted((s for s in pool if s.free()), key=lambda s: s.last_used)
+            slot = next((s for s in free if s.event is None or s.event.query()), None)
+            # Past the soft limit only when every wrapper is held (other threads' steps).
+            if slot is None and (len(pool) < _WRAPPERS_PER_CONFIG or not free):
+                slot = _Slot(fi.make_wrapper(self._workspace_locked(config[-1]), config[0]))
+                pool.append(slot)
+            wait = slot is None
+            if wait:
+                slot = free[0]
+                self.stats["waits"] += 1
+            slot.owner = weakref.ref(step)
+            step.slots.append(slot)
+        if wait:
             slot.event.synchronize()
-        step.slots.append(slot)
         return slot
 
-    def _get_workspace(self) -> torch.Tensor:
-        if self._workspace is None:
-            self._workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
-        return self._workspace
+    def workspace(self, stream: int | None = None) -> torch.Tensor:
+        """FlashInfer's float workspace for wrappers that run on ``stream`` (a
+        ``cuda_stream`` handle; default: the device's default stream, whose
+        workspace CUDA-graph mode shares). Allocated on first use."""
+        with self._lock:
+            return self._workspace_locked(stream)
 
-    def _unsupported(self, q: torch.Tensor) -> str | None:
+    def _workspace_locked(self, stream: int | None = None) -> torch.Tensor:
+        stream = self._default_stream if stream is None else stream
+        ws = self._workspaces.get(stream)
+        if ws is None:
+            ws = self._workspaces[stream] = torch.empty(
+                self.workspace_bytes, dtype=torch.uint8, device=self.device
+            )
+        return ws
+
+    def unsupported_reason(self, q: torch.Tensor) -> str | None:
+        """Why this runtime would run the reference kernel for ``q``, or None for FlashInfer."""
         dtype, head_dim = q.dtype, q.shape[-1]
+        if q.device.type != "cuda":
+            return "not a CUDA tensor: the reference kernel runs"
         if not fi.available():
             return "flashinfer is not importable: CUDA ragged attention runs the reference kernel"
         if dtype not in fi.DTYPES:
@@ -353,8 +572,14 @@ class Runtime:
             self._warned.add(msg)
             warnings.warn(msg, stacklevel=3)
 
+    def _log_once(self, msg: str) -> None:
+        if msg not in self._warned:
+            self._warned.add(msg)
+            log.warning("ragged_compile: %s", msg)
+
 
 _runtimes: dict[torch.device, Runtime] = {}
+_runtimes_lock = threading.Lock()
 
 
 def get_runtime(device: torch.device) -> Runtime:
@@ -364,6 +589,7 @@ def get_runtime(device: torch.device) -> Runtime:
     step = current_step()
     if step is not None and step.runtime.device == device:
         return step.runtime
-    if device not in _runtimes:
-        _runtimes[device] = Runtime(device)
-    return _runtimes[device]
+    with _runtimes_lock:
+        if device not in _runtimes:
+            _runtimes[device] = Runtime(device)
+        return _runtimes[device]

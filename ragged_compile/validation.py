@@ -21,8 +21,12 @@ import os
 
 import torch
 
-__all__ = ["check_inputs", "check_cu_seqlens_values", "debug_checks", "set_debug_checks"]
+__all__ = [
+    "SUPPORTED_DTYPES", "check_inputs", "check_cu_seqlens_values", "debug_checks", "set_debug_checks",
+]
 
+# Dtypes the op computes (the reference kernel); FlashInfer takes fp16/bf16.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _DEBUG = os.environ.get("RAGGED_COMPILE_DEBUG", "0") not in ("", "0", "false", "False")
 
@@ -81,6 +85,12 @@ def check_inputs(
             )
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}, which ragged_attention does not compute (it takes "
+                f"float16, bfloat16, float32, float64); cast q, k and v with .to(torch.bfloat16) "
+                f"(FlashInfer on CUDA) or .to(torch.float32)"
+            )
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(
             f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}; "
@@ -99,6 +109,11 @@ def check_inputs(
             f"q, k and v must share head_dim, got q={q.shape[2]}, k={k.shape[2]}, v={v.shape[2]}"
         )
     hq, hkv = q.shape[1], k.shape[1]
+    if hq == 0:
+        raise ValueError(
+            f"q has 0 heads (shape {tuple(q.shape)}); q must be [tokens, heads, head_dim] with "
+            f"heads >= 1: check the reshape of the query projection"
+        )
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(
             f"q heads ({hq}) must be a positive multiple of k/v heads ({hkv}) for GQA/MQA; "

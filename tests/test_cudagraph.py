@@ -86,7 +86,7 @@ def make_machine(device: str, cross: bool, split_kv="auto"):
         @initialize()
         def setup(self):
             self.model, self.ref = _models(device, dtype)
-            runtime = rc.Runtime() if device == "cuda" else None
+            runtime = rc.Runtime(device)
             self.g = GraphedModel(self.model, BUCKETS, runtime=runtime, split_kv=split_kv)
             self.used: set[Bucket] = set()
             self.eager = 0
@@ -219,14 +219,95 @@ def test_buckets_are_validated():
 
 def test_graphed_rejects_bad_offsets_and_mismatched_cross_args():
     model, _ = _models("cpu", torch.float32)
-    g = GraphedModel(model, BUCKETS)
+    g = GraphedModel(model, BUCKETS, runtime=rc.Runtime("cpu"))
     x = torch.randn(10, D_MODEL)
     with pytest.raises(ValueError, match="cu_seqlens"):
         g(x, torch.tensor([0, 4, 9]))
     with pytest.raises(ValueError, match="together"):
         g(x, torch.tensor([0, 10]), x)
     with pytest.raises(ValueError, match="split_kv"):
-        GraphedModel(model, BUCKETS, split_kv="yes")
+        GraphedModel(model, BUCKETS, runtime=rc.Runtime("cpu"), split_kv="yes")
+
+
+# -- per-segment outputs ---------------------------------------------------------
+
+
+class Pooled(torch.nn.Module):
+    """An embedding model: attention, then the mean of each segment's tokens.
+
+    Returns ``(tokens [T, E], pooled [segments, E])``; an empty segment's mean is
+    NaN (0 / 0), as in a plain implementation."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x, cu):
+        h = self.block(x, cu)
+        cu = cu.long()
+        seg = torch.searchsorted(cu[1:], torch.arange(h.shape[0], device=h.device), right=True)
+        sums = torch.zeros(cu.numel() - 1, h.shape[1], dtype=torch.float32, device=h.device)
+        sums.index_add_(0, seg, h.float())
+        counts = (cu[1:] - cu[:-1]).to(torch.float32)[:, None]
+        return h, (sums / counts).to(h.dtype)
+
+
+def _pooled_models(device, dtype):
+    torch.manual_seed(0)
+    model = Pooled().to(device, dtype).eval()
+    ref = Pooled().to(device, torch.float32).eval()
+    ref.block.attention = _ref_attention
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+@pytest.mark.parametrize("outputs", [None, ("tokens", "segments")])
+def test_graphed_pooled_model_returns_the_real_segments_rows(outputs, device="cpu"):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tol = 5e-2 if device == "cuda" else 1e-5
+    model, ref = _pooled_models(device, dtype)
+    g = rc.Runtime(device).graphed(model, [(8, 64), (16, 256)], outputs=outputs)
+    gen = torch.Generator().manual_seed(0)
+    for lens in ([5, 1, 9], [30, 30, 30, 30], [7, 0, 3], [1] * 16, [100] * 3):
+        x = torch.randn(sum(lens), D_MODEL, generator=gen).to(device, dtype)
+        tokens, pooled = g(x, _cu(lens))
+        assert tokens.shape == (sum(lens), D_MODEL)
+        assert pooled.shape == (len(lens), D_MODEL)  # not the bucket's segments + 1
+        with torch.no_grad():
+            want_tokens, want_pooled = ref(x.float(), _cu(lens, device))
+        assert (tokens.float() - want_tokens).abs().max().item() < tol
+        real = torch.tensor(lens) > 0  # an empty segment's mean is NaN in both
+        assert torch.isnan(pooled[~real]).all() and torch.isnan(want_pooled[~real]).all()
+        assert (pooled[real].float() - want_pooled[real]).abs().max().item() < tol
+    assert g.stats["replays"] == 4 and g.stats["eager"] == 1  # [100] * 3 fits no bucket
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("outputs", [None, ("tokens", "segments")])
+def test_graphed_pooled_model_returns_the_real_segments_rows_cuda(outputs):
+    test_graphed_pooled_model_returns_the_real_segments_rows(outputs, device="cuda")
+
+
+def test_real_rows_by_declaration_and_its_errors():
+    from ragged_compile.cudagraph import real_rows
+
+    out = {"tok": torch.arange(10.0)[:, None], "seg": torch.arange(5.0)[:, None], "loss": torch.tensor(3.0)}
+    got = real_rows(out, None, rows=10, segments=5, total_q=7, n=3)
+    assert got["tok"].shape[0] == 7 and got["seg"].shape[0] == 3 and got["loss"].item() == 3.0
+    assert got["tok"].data_ptr() != out["tok"].data_ptr()  # copies: a replay overwrites the originals
+    spec = {"tok": "whole", "seg": "segments", "loss": "whole"}
+    assert real_rows(out, spec, rows=10, segments=5, total_q=7, n=3)["tok"].shape[0] == 10
+    with pytest.raises(ValueError, match=r"declared 'tokens'.*outputs="):
+        real_rows(out["seg"], "tokens", rows=10, segments=5, total_q=7, n=3)
+    # A bucket whose token rows equal its segments + 1 cannot tell them apart.
+    with pytest.raises(ValueError, match=r"outputs='tokens' or 'segments'"):
+        real_rows(torch.zeros(5, 2), None, rows=5, segments=5, total_q=4, n=2)
+    assert real_rows(torch.zeros(5, 2), "segments", rows=5, segments=5, total_q=4, n=2).shape[0] == 2
+    model, _ = _models("cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"outputs must be one of"):
+        rc.Runtime("cpu").graphed(model, BUCKETS, outputs="rows")
+    with pytest.raises(TypeError, match=r"rc\.Runtime\(\)\.graphed"):
+        GraphedModel(model, BUCKETS, runtime=None)
 
 
 # -- CUDA only ----------------------------------------------------------------
@@ -270,7 +351,7 @@ def test_poisoned_pool_and_padding_rows_never_reach_outputs():
     e.x.fill_(float("nan"))
     junk = torch.full((64 << 20,), float("inf"), device="cuda")
     del junk
-    g.runtime._get_workspace().fill_(0xFF)
+    g.runtime.workspace().fill_(0xFF)
     for lens in ([3, 100, 0, 1, 1, 50], [255], [1] * 8):
         x = torch.randn(sum(lens), D_MODEL, device="cuda").to(torch.bfloat16)
         out = g(x, _cu(lens))
@@ -333,3 +414,20 @@ def test_reduce_overhead_keeps_every_layout_correct():
             want = ref(x.float(), _cu(lens, "cuda"))
         assert (out.float() - want).abs().max().item() < 5e-2, lens
     assert runtime.stats["flashinfer"] == 5 and runtime.stats["reference"] == 0
+
+
+def test_runtime_and_cudagraph_depend_one_way_with_no_private_names():
+    import ast
+    import pathlib
+
+    pkg = pathlib.Path(rc.__file__).parent
+
+    def imports(name):
+        tree = ast.parse((pkg / f"{name}.py").read_text())
+        return [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1]
+
+    assert not any(n.module == "runtime" for n in imports("cudagraph"))
+    for name in ("runtime", "cudagraph"):
+        for node in imports(name):
+            private = [a.name for a in node.names if a.name.startswith("_")]
+            assert not private, f"{name}.py imports private {private} from .{node.module}"

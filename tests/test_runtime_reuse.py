@@ -1,0 +1,445 @@
+"""Plan reuse outside ``Runtime.step``: eager code plans once per forward, never
+with a stale plan.
+
+The cache logic (object identity through a weak reference, plus the in-place
+version) runs on CPU tensors here; the CUDA tests count plans and syncs of
+eager NJT models under ``enable()`` and check every output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import logging
+import threading
+
+import pytest
+import torch
+
+import ragged_compile as rc
+from ragged_compile.runtime import OffsetsCache, _IMPLICIT_LAYOUTS
+
+
+def _cu(lens, device="cpu"):
+    return torch.tensor([0] + list(lens), dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+
+
+# -- OffsetsCache (CPU) ---------------------------------------------------------------
+
+
+def test_cache_hits_only_the_same_unmodified_tensors():
+    c = OffsetsCache(4)
+    a, b = _cu([10, 20, 30]), _cu([30, 20, 10])  # equal totals, other layout
+    assert c.put((a, a), "a")
+    assert c.get((a, a)) == "a"
+    assert c.get((b, b)) is None
+    assert c.get((a, b)) is None
+    assert c.get((a.clone(), a)) is None  # equal values, another tensor: not assumed
+    a[1] = 11  # in-place edit
+    assert c.get((a, a)) is None
+    c.put((a, a), "a2")
+    a[1:2].add_(1)  # through a view: same version counter
+    assert c.get((a, a)) is None
+
+
+def test_cache_never_mistakes_a_freed_tensor_for_new_offsets():
+    c = OffsetsCache(4)
+    old = _cu([10, 20, 30])
+    c.put((old,), "old")
+    ptr = old.data_ptr()
+    new = _cu([30, 20, 10])
+    # Give the entry the new tensor's id, as CPython may once `old` is freed.
+    c._entries[(id(new),)] = c._entries.pop((id(old),))
+    del old
+    gc.collect()
+    assert c.get((new,)) is None
+    # Memory reuse: same address, same version 0, other values.
+    for _ in range(20):
+        again = _cu([1, 2, 57])
+        if again.data_ptr() == ptr:
+            break
+    assert c.get((again,)) is None
+    assert len(c) == 0  # dead entries are pruned
+
+
+def test_cache_skips_inference_tensors_and_drops_the_least_recently_used():
+    c = OffsetsCache(2)
+    with torch.inference_mode():
+        t = _cu([3, 4])
+    assert not c.put((t,), "x") and c.get((t,)) is None
+    a, b, d = _cu([1]), _cu([2]), _cu([3])
+    c.put((a,), "a"), c.put((b,), "b")
+    assert c.get((a,)) == "a"  # a is now the most recent
+    c.put((d,), "d")
+    assert c.get((b,)) is None and c.get((a,)) == "a" and c.get((d,)) == "d"
+
+
+# -- the implicit step's choices (CPU tensors, no planning) -------------------------------
+
+
+def test_implicit_step_reads_each_offsets_tensor_once_and_renews_when_stale():
+    rt = rc.Runtime("cpu")
+    cu = _cu([3, 7])
+    step = rt._step_for(cu, cu)
+    lay = step.layout_for(cu, cu, 10, 10)
+    for _ in range(7):  # the other layers of the forward
+        assert rt._step_for(cu, cu) is step
+        assert step.layout_for(cu, cu, 10, 10) is lay
+    assert rt.stats["syncs"] == 1 and lay.cu_q.tolist() == [0, 3, 10]
+
+    other = _cu([7, 3])  # equal totals, other layout, while cu is alive
+    assert rt._step_for(other, other) is step
+    assert step.layout_for(other, other, 10, 10).cu_q.tolist() == [0, 7, 10]
+
+    cu[1] = 5  # edited in place: read again
+    s = rt._step_for(cu, cu)
+    assert s.layout_for(cu, cu, 10, 10).cu_q.tolist() == [0, 5, 10]
+    assert rt.stats["syncs"] == 3
+
+    del cu, other, s
+    gc.collect()
+    fresh = _cu([1, 9])
+    renewed = rt._step_for(fresh, fresh)  # nothing of the old step is usable
+    assert renewed is not step
+    assert renewed.layout_for(fresh, fresh, 10, 10).cu_q.tolist() == [0, 1, 10]
+
+
+def test_implicit_step_is_renewed_after_its_layout_budget():
+    rt = rc.Runtime("cpu")
+    alive = [_cu([i + 1, 9 - i]) for i in range(_IMPLICIT_LAYOUTS + 1)]
+    first = rt._step_for(alive[0], alive[0])
+    for cu in alive[:_IMPLICIT_LAYOUTS]:
+        step = rt._step_for(cu, cu)
+        assert step is first
+        step.layout_for(cu, cu, 10, 10)
+    last = rt._step_for(alive[-1], alive[-1])
+    assert last is not first  # holding old offsets alive never grows a step without bound
+
+
+def test_cross_layout_reads_q_offsets_once():
+    rt = rc.Runtime("cpu")
+    cq, ck = _cu([1, 2]), _cu([5, 0])
+    step = rt._step_for(cq, cq)
+    step.layout_for(cq, cq, 3, 3)
+    step.layout_for(cq, ck, 3, 5)
+    step.layout_for(ck, ck, 5, 5)
+    assert rt.stats["syncs"] == 2
+
+
+def test_threads_get_their_own_implicit_step_and_explicit_steps_win():
+    rt = rc.Runtime("cpu")
+    cu = _cu([2, 2])
+    seen = {}
+
+    def run(name):
+        seen[name] = rt._step_for(cu, cu)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(s) for s in seen.values()}) == 3
+    with rt.step([2, 2]) as explicit:
+        assert rt._step_for(cu, cu) is explicit
+    with rc.Runtime("cpu").step():  # another runtime's step is not ours
+        assert rt._step_for(cu, cu) is not explicit
+
+
+# -- CUDA: plans and syncs per eager forward -------------------------------------------------
+
+cuda = pytest.mark.cuda
+
+
+def _encoder(layers=8, E=256, heads=4):
+    from _njt_models import SelfAttentionLayer
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[SelfAttentionLayer(E, heads) for _ in range(layers)]).to("cuda", torch.bfloat16).eval()
+
+
+def _njt(lens, E=256, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    parts = [torch.randn(n, E, device="cuda", generator=g).to(torch.bfloat16) for n in lens]
+    return torch.nested.nested_tensor(parts, layout=torch.jagged)
+
+
+def _check_per_segment(model, x, out):
+    """Each segment against a float32 copy of the model run densely on it alone.
+    bf16 against float32 differs by ~0.03 after 2 layers and ~0.07 after 8 (CPU);
+    another layout's plan ([40, 24] for [10, 54]) is off by ~0.5 after 2."""
+    tol = 0.1 if len(model) <= 2 else 0.25
+    ref = copy.deepcopy(model).float()
+    for seg, got in zip(x.unbind(), out.unbind()):
+        want = ref(seg.unsqueeze(0).float())[0]  # dense, stock SDPA
+        assert torch.isfinite(got).all()
+        assert (got.float() - want).abs().max().item() < tol
+
+
+def _delta(rt, before, key):
+    return rt.stats[key] - before.get(key, 0)
+
+
+@cuda
+def test_eager_enable_plans_and_syncs_once_per_forward_of_an_8_layer_encoder():
+    from ragged_compile.runtime import get_runtime
+
+    model = _encoder()
+    rt = get_runtime(torch.device("cuda"))
+    with torch.no_grad(), rc.enable():
+        # Equal totals with different layouts, a one-token segment, a repeat.
+        for i, lens in enumerate(([100, 3, 250, 1], [1, 250, 3, 100], [177, 177], [100, 3, 250, 1])):
+            x = _njt(lens, seed=i)
+            before = dict(rt.stats)
+            out = model(x)
+            assert _delta(rt, before, "plans") == 1, lens
+            assert _delta(rt, before, "syncs") == 1, lens
+            assert _delta(rt, before, "flashinfer") == 8
+            _check_per_segment(model, x, out)
+
+
+@cuda
+def test_eager_reuse_sees_in_place_edits_and_reallocated_offsets():
+    from ragged_compile.runtime import get_runtime
+
+    model = _encoder(layers=2)
+    rt = get_runtime(torch.device("cuda"))
+    with torch.no_grad(), rc.enable():
+        x = _njt([40, 24])
+        model(x)
+        # Same values, offsets edited in place to another layout of equal total.
+        x._offsets.copy_(_cu([10, 54], "cuda").to(x._offsets.dtype))
+        before = dict(rt.stats)
+        out = model(x)
+        assert _delta(rt, before, "plans") == 1
+        ref = torch.nested.nested_tensor_from_jagged(x.values(), x._offsets)
+        assert [s.shape[0] for s in ref.unbind()] == [10, 54]
+        _check_per_segment(model, ref, out)
+        # Freed offsets, new ones likely at the same address: never the old plan.
+        for i, lens in enumerate(([30, 34], [34, 30], [1, 63], [63, 1])):
+            del x, out
+            x = _njt(lens, seed=10 + i)
+            out = model(x)
+            _check_per_segment(model, x, out)
+
+
+@cuda
+def test_runtime_attention_without_step_reuses_and_inference_offsets_do_not(caplog):
+    lens = [100, 3, 0, 250, 1]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(sum(lens), 4, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    rt = rc.Runtime()
+    cu = _cu(lens, "cuda")
+    outs = [rt.attention(q, k, v, cu, cu, True, 0.125) for _ in range(8)]
+    assert rt.stats["plans"] == 1 and rt.stats["syncs"] == 1
+    want = rc.reference_attention(q.float(), k.float(), v.float(), cu, cu, True, 0.125)
+    assert (outs[-1].float() - want).abs().max().item() < 2e-2
+    with torch.inference_mode():
+        cu_inf = _cu(lens, "cuda")
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"):
+        for _ in range(3):
+            rt.attention(q, k, v, cu_inf, cu_inf, True, 0.125)
+    assert rt.stats["plans"] == 4  # no reuse: edits of inference tensors cannot be seen
+    assert sum("inference tensors" in r.getMessage() for r in caplog.records) == 1
+
+
+@cuda
+def test_threads_calling_the_op_eagerly_each_get_their_layout():
+    layouts = [[100, 3, 250, 1], [1, 250, 3, 100], [177, 177], [354]]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(354, 8, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    wants = {
+        i: rc.reference_attention(q.float(), k.float(), v.float(), _cu(l, "cuda"), _cu(l, "cuda"), True, 0.125)
+        for i, l in enumerate(layouts)
+    }
+    errors = []
+
+    from ragged_compile.runtime import get_runtime
+
+    rt = get_runtime(torch.device("cuda"))
+
+    torch.cuda.synchronize()  # inputs ready before side streams read them
+
+    def run(i):
+        # Odd threads run on a stream of their own: wrappers there get their own workspace.
+        stream = torch.cuda.Stream() if i % 2 else torch.cuda.current_stream()
+        try:
+            with torch.cuda.stream(stream):
+                for it in range(20):
+                    cu = _cu(layouts[i], "cuda")
+                    # Implicit steps, and explicit ones (as rc.compile opens), on one
+                    # runtime: a wrapper is planned by one step at a time, whatever the thread.
+                    with rt.step() if it % 2 else contextlib.nullcontext():
+                        for _ in range(4):  # layers sharing one offsets tensor
+                            out = rc.ragged_attention(q, k, v, cu, causal=True, scale=0.125)
+                    err = (out.float() - wants[i]).abs().max().item()
+                    if err > 2e-2:
+                        errors.append((i, err))
+                torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            errors.append((i, repr(e)))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(layouts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(rt._workspaces) >= 3  # the default stream's and one per side stream
+
+
+@cuda
+def test_inference_mode_offsets_work_in_explicit_steps_and_rc_compile():
+    lens = [40, 1, 23]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(64, 4, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    rt = rc.Runtime()
+    with torch.inference_mode():
+        cu = _cu(lens, "cuda")
+        with rt.step():
+            outs = [rt.attention(q, k, v, cu, cu, False, 0.125) for _ in range(4)]
+    assert rt.stats["plans"] == 1 and rt.stats["syncs"] == 1
+    want = rc.reference_attention(q.float(), k.float(), v.float(), cu, cu, False, 0.125)
+    assert (outs[-1].float() - want).abs().max().item() < 2e-2
+
+    model = _encoder(layers=2)
+    compiled = rc.compile(model, fullgraph=True)
+    with torch.inference_mode():
+        x = _njt(lens)
+        out = compiled(x)
+    with torch.no_grad():
+        _check_per_segment(model, x, out)
+
+
+# -- the whole planning path on CPU, with a stand-in for FlashInfer -------------------------
+#
+# The wrapper pool, slot ownership, implicit steps and plan reuse are host-side
+# logic. Here a fake wrapper records the layout it was planned for and "runs"
+# the reference kernel on *that* layout, so any stale or shared plan shows up
+# as a wrong output, on CPU.
+
+
+class _FakeWrapper:
+    def __init__(self):
+        self.plan = None
+
+    def run(self, q, k, v):
+        cu_q, cu_k, causal, scale = self.plan
+        return rc.reference_attention(q, k, v, cu_q, cu_k, causal, scale)
+
+
+class _FakeEvent:
+    def record(self):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    from ragged_compile.backends import flashinfer as fi
+
+    def plan(wrapper, cu_q, cu_k, hq, hkv, d, dtype, causal, scale, **kw):
+        wrapper.plan = (cu_q.clone(), cu_k.clone(), causal, scale)
+
+    monkeypatch.setattr(fi, "make_wrapper", lambda workspace, backend, **kw: _FakeWrapper())
+    monkeypatch.setattr(fi, "plan", plan)
+    monkeypatch.setattr(fi, "run", lambda wrapper, q, k, v: wrapper.run(q, k, v))
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    rt = rc.Runtime("cpu", backend="fa2", workspace_bytes=64)
+    monkeypatch.setattr(rt, "unsupported_reason", lambda q: None)
+
+    def call(q, k, v, cu_q, cu_k, causal=True, scale=0.3):
+        """What Runtime.attention does on CUDA, on CPU tensors."""
+        step = rt._step_for(cu_q, cu_k)
+        if step is None:
+            with rt.step():
+                return rt._step_for(cu_q, cu_k).attention(q, k, v, cu_q, cu_k, causal, scale)
+        return step.attention(q, k, v, cu_q, cu_k, causal, scale)
+
+    return rt, call
+
+
+def _qkv(total, seed=0, heads=2, d=8):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(total, heads, d, generator=g) for _ in range(3))
+
+
+def _want(q, k, v, cu, causal=True, scale=0.3):
+    return rc.reference_attention(q, k, v, cu, cu, causal, scale)
+
+
+def test_fake_backend_one_plan_per_offsets_tensor_and_never_a_stale_one(fake_flashinfer):
+    rt, call = fake_flashinfer
+    q, k, v = _qkv(60)
+    cu = _cu([10, 20, 30])
+    for _ in range(8):  # the layers of one forward
+        out = call(q, k, v, cu, cu)
+    assert rt.stats["plans"] == 1 and rt.stats["syncs"] == 1 and rt.stats["flashinfer"] == 8
+    torch.testing.assert_close(out, _want(q, k, v, cu))
+
+    cu.copy_(_cu([30, 20, 10]))  # in place, equal totals
+    torch.testing.assert_close(call(q, k, v, cu, cu), _want(q, k, v, cu))
+    assert rt.stats["plans"] == 2
+
+    for i, lens in enumerate(([1, 59, 0], [59, 1, 0], [0, 0, 60], [20, 20, 20], [1, 59, 0])):
+        del cu
+        cu = _cu(lens)  # the freed tensor's memory or id may come back
+        for _ in range(3):
+            out = call(q, k, v, cu, cu)
+        torch.testing.assert_close(out, _want(q, k, v, cu))
+    assert rt.stats["plans"] == 7
+
+
+def test_fake_backend_inference_offsets_plan_per_call_and_stay_right(fake_flashinfer):
+    rt, call = fake_flashinfer
+    q, k, v = _qkv(60)
+    with torch.inference_mode():
+        cu = _cu([10, 20, 30])
+        for _ in range(3):
+            out = call(q, k, v, cu, cu)
+        cu.copy_(_cu([30, 20, 10]))
+        edited = call(q, k, v, cu, cu)
+    assert rt.stats["plans"] == 4
+    torch.testing.assert_close(out, _want(q, k, v, _cu([10, 20, 30])))
+    torch.testing.assert_close(edited, _want(q, k, v, _cu([30, 20, 10])))
+
+
+def test_fake_backend_threads_never_share_a_planned_wrapper(fake_flashinfer):
+    rt, call = fake_flashinfer
+    layouts = [[10, 20, 30], [30, 20, 10], [1, 1, 58], [60, 0, 0]]
+    q, k, v = _qkv(60)
+    wants = [_want(q, k, v, _cu(l)) for l in layouts]
+    barrier = threading.Barrier(len(layouts))
+    errors = []
+
+    def run(i):
+        try:
+            for it in range(30):
+                cu = _cu(layouts[(i + it) % len(layouts)])
+                barrier.wait()  # every thread plans, then every thread runs
+                with rt.step() if it % 2 else contextlib.nullcontext():
+                    step = rt._step_for(cu, cu)
+                    step.layout_for(cu, cu, 60, 60)
+                    slot = rt._plan(step, step.layout_for(cu, cu, 60, 60), 2, 2, 8, q.dtype, True, 0.3)
+                    barrier.wait()
+                    out = slot.wrapper.run(q, k, v)
+                if not torch.equal(out, wants[(i + it) % len(layouts)]):
+                    errors.append((i, it))
+        except Exception as e:  # noqa: BLE001
+            errors.append((i, repr(e)))
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(layouts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    # Implicit steps keep their wrappers between forwards; renewed ones give them back.
+    assert max(len(p) for p in rt._pool.values()) <= 2 * len(layouts) + 4

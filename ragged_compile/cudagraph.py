@@ -322,7 +322,10 @@ class GraphedModel:
         b = e.bucket
         rows_q = b.max_tokens_q if kind[0] == "q" else b.max_tokens_k
         rows_k = b.max_tokens_q if kind[1] == "q" else b.max_tokens_k
-        backend = fi.choose_backend(self.runtime.backend, self.runtime.device, b.max_segments, rows_k)
+        backend = fi.choose_backend(
+            self.runtime.backend, self.runtime.device, b.max_segments, rows_k,
+            hq=hq, hkv=hkv, head_dim=d, causal=causal,
+        )
         split_kv = self.split_kv
         if split_kv == "auto":
             split_kv = rows_k / b.max_segments >= fi.AUTO_FA2_BELOW_MEAN_KV

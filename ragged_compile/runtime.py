@@ -342,8 +342,9 @@ class Runtime:
             reference kernel there, steps cost nothing and :meth:`graphed` runs
             its bookkeeping without capturing graphs, so the same code runs on
             both.
-        backend: ``"auto"`` (fa3 on SM90 for long segments, fa2 otherwise),
-            ``"fa2"`` or ``"fa3"``; default from ``RAGGED_COMPILE_BACKEND``, else auto.
+        backend: ``"auto"`` (per layout, fa2 or fa3 from a cost table measured
+            on the H200: :func:`backends.flashinfer.choose_backend`), ``"fa2"``
+            or ``"fa3"``; default from ``RAGGED_COMPILE_BACKEND``, else auto.
         workspace_bytes: FlashInfer float workspace per CUDA stream, shared by
             this runtime's wrappers on that stream (they run one after another).
 
@@ -488,7 +489,10 @@ class Runtime:
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def _plan(self, step: _Step, layout: Layout, hq, hkv, d, dtype, causal, scale) -> _Slot:
-        backend = fi.choose_backend(self.backend, self.device, layout.n, layout.total_k)
+        backend = fi.choose_backend(
+            self.backend, self.device, layout.n, layout.total_k,
+            hq=hq, hkv=hkv, head_dim=d, causal=causal,
+        )
         self.last_backend = backend
         # The stream is part of the key: a plan's copy is ordered on the stream it
         # was made on, and each stream has its own workspace.

@@ -347,8 +347,8 @@ def layouts(
             ``False`` one set of lengths; ``None`` either.
         bucket: ``(S, T)`` or ``(S, Tq, Tk)``: every layout fits the bucket
             (``n <= S``, ``total_q <= Tq``, ``total_k <= Tk``) and about one draw
-            in four fills it exactly (``n == S``, ``total_q == Tq``,
-            ``total_k == Tk``), as a CUDA-graph bucket is filled. Overrides
+            in four fills it exactly (``n == S``, ``total_q == Tq`` and, for
+            cross layouts, ``total_k == Tk``), as a CUDA-graph bucket is filled. Overrides
             ``max_segments`` / ``max_tokens`` / ``max_k_tokens``.
         max_len: longest segment before clamping to the token bound (default
             ``min(max_tokens, 1024)``).

@@ -170,13 +170,17 @@ def run_ops(args, dev, results, writer, budget: Budget) -> None:
                 log("  CUDA context looks broken after this row; later rows will likely fail")
             writer()
         entry["summary"] = summarize_layout(entry["impls"])
-        if dev.type == "cuda" and not args.impls:
+        if dev.type == "cuda" and any(n == "ours_eager" for n, _ in impls):
             try:
                 budget.check()
                 backend = entry["summary"].get("ours_backend") or auto_backend(dev, c.n, c.total)
                 pr = paired_vs_flashinfer(c, sh, backend)
                 entry["summary"]["paired_ours_vs_flashinfer"] = pr
-                log(f"  paired ours/flashinfer_{backend}: {pr['ours_ms']:.3f} / {pr['flashinfer_ms']:.3f} ms = {pr['ratio']:.3f}")
+                log(
+                    f"  paired: ours {pr['ours_ms']:.3f} ms (picked {backend}), "
+                    + ", ".join(f"{b} {pr[b + '_ms']:.3f} ms" for b in ("fa2", "fa3") if b + "_ms" in pr)
+                    + f"; ours / best ({pr['best']}) = {pr['ratio_vs_best']:.3f}"
+                )
             except Exception as e:  # noqa: BLE001
                 entry["summary"]["paired_ours_vs_flashinfer"] = {"error": err_str(e)}
         del c

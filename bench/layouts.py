@@ -10,12 +10,21 @@ import torch
 from harness import DTYPE
 
 LAYOUT_SPECS = [
-    # name, kind, hq, hkv, d, causal
+    # name, kind, hq, hkv, d, causal. Each class causal and not: FlashInfer's fa2 and
+    # fa3 kernels trade places with segment length, causality and head grouping, and
+    # backend="auto" must pick the faster one on every row (bench/README.md).
     ("mixed16", "mixed", 16, 16, 128, False),
     ("mixed16_causal", "mixed", 16, 16, 128, True),
     ("short250", "short", 16, 16, 128, False),
+    ("short250_causal", "short", 16, 16, 128, True),
+    ("mid50", "mid", 16, 16, 128, False),
+    ("mid50_causal", "mid", 16, 16, 128, True),
     ("long4x8192", "long", 16, 16, 128, False),
+    ("long4x8192_causal", "long", 16, 16, 128, True),
     ("gqa32_8", "mixed", 32, 8, 128, False),
+    ("gqa32_8_causal", "mixed", 32, 8, 128, True),
+    ("short250_gqa32_8", "short", 32, 8, 128, False),
+    ("short250_gqa32_8_causal", "short", 32, 8, 128, True),
     ("mixed16_d64", "mixed", 16, 16, 64, False),
     ("mixed16_d72", "mixed", 16, 16, 72, False),
 ]
@@ -36,6 +45,10 @@ def lengths_for(kind: str, smoke: bool) -> tuple[int, ...]:
     if kind == "short":
         n, lo, hi = (12, 2, 16) if smoke else (250, 16, 256)
         g = torch.Generator().manual_seed(2)
+        return tuple(int(x) for x in torch.randint(lo, hi + 1, (n,), generator=g))
+    if kind == "mid":
+        n, lo, hi = (4, 16, 48) if smoke else (50, 256, 1024)
+        g = torch.Generator().manual_seed(3)
         return tuple(int(x) for x in torch.randint(lo, hi + 1, (n,), generator=g))
     if kind == "long":
         return (96, 96) if smoke else (8192,) * 4

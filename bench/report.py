@@ -175,6 +175,32 @@ def render_markdown(results: dict) -> str:
                 f"{_f(im.get('flex_doc_mask', {}).get('block_mask_ms'))} |"
             )
         L.append("")
+        paired = {n: lay[n].get("summary", {}).get("paired_ours_vs_flashinfer") or {} for n in names}
+        if any("ratio_vs_best" in p for p in paired.values()):
+            L += [
+                '## backend="auto" against the faster FlashInfer kernel (paired blocks)',
+                "",
+                "ours_eager (backend auto) and FlashInfer fa2 / fa3 run directly, median ms of rotating "
+                "blocks; target: ours / best <= 1.03 on every layout.",
+                "",
+                "| layout | causal | H q/kv | ours picked | ours ms | fa2 ms | fa3 ms | best | ours / fa2 | "
+                "ours / fa3 | ours / best | within 3% | plan ms ours |",
+            ]
+            L.append("|---" * 13 + "|")
+            for n in names:
+                p, d = paired[n], lay[n].get("layout", {})
+                if "ratio_vs_best" not in p:
+                    if p.get("error"):
+                        L.append(f"| {n} | error: {_one_line(p['error'], 150)} |")
+                    continue
+                L.append(
+                    f"| {n} | {d.get('causal')} | {d.get('hq')}/{d.get('hkv')} | {_f(p.get('backend'))} | "
+                    f"{_f(p.get('ours_ms'))} | {_f(p.get('fa2_ms'))} | {_f(p.get('fa3_ms'))} | {_f(p.get('best'))} | "
+                    f"{_f(p.get('ratio_vs_fa2'))} | {_f(p.get('ratio_vs_fa3'))} | {_f(p.get('ratio_vs_best'))} | "
+                    f"{'yes' if p.get('within_3pct') else '**no**'} | "
+                    f"{_f(lay[n].get('impls', {}).get('ours_eager', {}).get('plan_ms'))} |"
+                )
+            L.append("")
         L += ["## Correctness: max abs diff vs float32 reference (vs ours_eager)", ""]
         L.append("| impl | " + " | ".join(names) + " |")
         L.append("|---" * (len(names) + 1) + "|")

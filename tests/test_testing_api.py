@@ -281,3 +281,26 @@ def test_fuzz_strategies_keep_their_old_names_and_shapes():
     x = case.tensors()
     out = ragged_compile.ragged_attention(**case.call_kwargs(x))
     testing.assert_matches_reference(out, **case.call_kwargs(x))
+
+
+def test_the_readme_example_passes_its_correct_models_and_catches_its_planted_leaks():
+    """examples/test_fuzz_your_model.py is the README's "Fuzz your own model" test:
+    on one fixed layout, its correct models pass both checks and its leaky ones fail."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "test_fuzz_your_model.py"
+    spec = importlib.util.spec_from_file_location("readme_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    layout = testing.Layout((3, 0, 1, 5), (3, 0, 1, 5), cross=False)
+    x = torch.randn(layout.total_q, 64)
+    njt = torch.nested.nested_tensor_from_jagged(x, layout.cu_seqlens_q.long())
+    cases = [(m, (x, layout.cu_seqlens_q)) for m in example.MODELS.items()]
+    cases += [(m, (njt,)) for m in example.NJT_MODELS.items()]
+    for (name, model), args in cases:
+        if "leak" in name:
+            with pytest.raises(AssertionError, match="changing segment"):
+                testing.check_segment_independence(model, *args)
+        else:
+            testing.check_segment_independence(model, *args)
+            testing.check_matches_per_segment(model, *args)

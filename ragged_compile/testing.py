@@ -348,7 +348,8 @@ def layouts(
         bucket: ``(S, T)`` or ``(S, Tq, Tk)``: every layout fits the bucket
             (``n <= S``, ``total_q <= Tq``, ``total_k <= Tk``) and about one draw
             in four fills it exactly (``n == S``, ``total_q == Tq`` and, for
-            cross layouts, ``total_k == Tk``), as a CUDA-graph bucket is filled. Overrides
+            cross layouts, ``total_k == Tk``; a self layout fills
+            ``min(Tq, Tk)``), as a CUDA-graph bucket is filled. Overrides
             ``max_segments`` / ``max_tokens`` / ``max_k_tokens``.
         max_len: longest segment before clamping to the token bound (default
             ``min(max_tokens, 1024)``).
@@ -378,6 +379,8 @@ def layouts(
     if tiny_segments is None:
         tiny_segments = max_segments if max_segments >= 256 else 0
     is_cross = draw(st.booleans()) if cross is None else cross
+    if not is_cross and max_k_tokens is not None:  # one set of lengths obeys both bounds
+        max_tokens = max_k_tokens if max_tokens is None else min(max_tokens, max_k_tokens)
     if bucket is not None and bucket[0] > 0 and draw(st.integers(0, 3)) == 0:
         return _full_bucket(draw, bucket[0], max_tokens, max_k_tokens, max_len, is_cross)
 
@@ -615,7 +618,7 @@ def attention_cases(
         )
     if isinstance(layout, st.SearchStrategy):
         layout = draw(layout)
-    if layout.n > max(max_segments, _PER_SEGMENT_DRAWS):  # thousands of segments: one k/v head
+    if layout.n > max_segments:  # a flood of tiny segments: one k/v head
         hq, hkv = hq // hkv, 1
     return AttentionCase(
         layout=layout,
@@ -830,7 +833,8 @@ def check_segment_independence(
 
     For each chosen segment ``j`` (default: every non-empty one, at most 8) and
     each fill, segment ``j``'s rows of ``x`` are replaced (``"random"``: fresh
-    noise three times as large; ``"nan"``/``"inf"``: poison) and ``fn`` runs
+    noise three times as large, or for integer inputs such as token ids other
+    values of ``x``; ``"nan"``/``"inf"``: poison, floating inputs only) and ``fn`` runs
     again: every other segment's output must stay **bit for bit** the same.
     A leak through a batch-wide statistic, a mask that lets a query see another
     segment, a padding row that is read, or a NaN that crosses segments fails with an
@@ -854,6 +858,7 @@ def check_segment_independence(
         again = call(values, cu)
     if not torch.equal(base, again):
         raise AssertionError("fn gives different outputs for the same input: call model.eval(), disable dropout")
+    floating = values.is_floating_point() or values.is_complex()
     nonempty = [i for i in range(n) if bounds[i + 1] > bounds[i]]
     if segments is None:
         segments = nonempty if len(nonempty) <= 8 else random.Random(seed).sample(nonempty, 8)
@@ -864,13 +869,18 @@ def check_segment_independence(
             continue
         for fill in fills:
             x2 = values.clone()
-            if fill == "random":
-                noise = 3 * torch.randn(x2[lo:hi].shape, generator=g, dtype=torch.float32)
-                x2[lo:hi] = noise.to(x2.dtype) + x2[lo:hi]
-            elif fill in ("nan", "inf"):
-                x2[lo:hi] = float(fill)
-            else:
+            if fill not in ("random", "nan", "inf"):
                 raise ValueError(f"fills are 'random', 'nan' or 'inf', got {fill!r}")
+            if not floating and fill != "random":
+                continue  # token ids and other integers cannot hold NaN or Inf
+            if fill == "random" and floating:
+                noise = 3 * torch.randn(x2[lo:hi].shape, generator=g, dtype=torch.float32)
+                x2[lo:hi] = noise.to(x2.device, x2.dtype) + x2[lo:hi]
+            elif fill == "random":  # integers (token ids): other values of x itself
+                pick = torch.randint(0, T, (hi - lo,), generator=g).to(x2.device)
+                x2[lo:hi] = values[pick]
+            else:
+                x2[lo:hi] = float(fill)
             with torch.no_grad():
                 out = call(x2, cu)
             moved = []

@@ -171,7 +171,10 @@ def run_e2e(args, dev, results, writer, budget: Budget) -> None:
             raise Skip("CUDA only")
         import flashinfer
 
-        backend = auto_backend(dev, n, T)
+        # The kernel ours ran in ours_packed_eager (first in the plan), else auto's rule.
+        backend = getattr(rt, "last_backend", None)
+        if backend not in ("fa2", "fa3"):
+            backend = auto_backend(dev, n, T)
         wr = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
             torch.empty(256 << 20, dtype=torch.uint8, device=dev), kv_layout="NHD", backend=backend
         )

@@ -170,7 +170,8 @@ def auto_backend(dev: torch.device, n: int, total_k: int) -> str:
         from ragged_compile.backends.flashinfer import choose_backend
 
         return choose_backend("auto", dev, n, total_k)
-    except Exception:  # noqa: BLE001 - same rule as of this writing
+    except Exception as e:  # noqa: BLE001 - the rule as of 0.1.0, said out loud
+        log(f"choose_backend unusable here ({err_str(e, 200)}): assuming the 0.1.0 rule")
         sm90 = torch.cuda.get_device_capability(dev) == (9, 0)
         return "fa3" if sm90 and total_k / max(n, 1) >= 256 else "fa2"
 

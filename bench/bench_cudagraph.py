@@ -23,6 +23,7 @@ Writes bench/results/cudagraph.json and cudagraph.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import statistics
@@ -37,6 +38,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import ragged_compile as rc  # noqa: E402
 from env import environment  # noqa: E402
+from timing import gpu_queued_ms, time_steps  # noqa: E402
 
 
 class Layer(torch.nn.Module):
@@ -81,49 +83,14 @@ def cu_of(lens):
 def measure(call, layouts, device, d, dtype):
     """Back-to-back steps over `layouts`; returns wall/host/gpu ms per step."""
     xs = [torch.randn(sum(l), d, device=device, dtype=dtype) for l in layouts]
-    cus = [cu_of(l) for l in layouts]
-    torch.cuda.synchronize()
-    host = []
-    starts, ends = [], []
-    t0 = time.perf_counter()
-    for x, cu, lens in zip(xs, cus, layouts):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        h0 = time.perf_counter()
-        s.record()
-        call(x, cu, lens)
-        e.record()
-        host.append((time.perf_counter() - h0) * 1e3)
-        starts.append(s)
-        ends.append(e)
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) * 1e3 / len(layouts)
-    gpu = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
-    h = statistics.median(host)
-    return {
-        "wall_ms": round(wall, 3),
-        "host_ms": round(h, 3),
-        "gpu_ms": round(gpu, 3),
-        "wall_minus_gpu_ms": round(wall - gpu, 3),
-    }
+    steps = [functools.partial(call, x, cu_of(lens), lens) for x, lens in zip(xs, layouts)]
+    return time_steps(steps)
 
 
 def gpu_only(call, layouts, device, d, dtype, reps=9):
-    """GPU time of one step when the host is not the bottleneck: events around
-    a step issued after a sync, so the queue is empty and only kernels count."""
+    """GPU time of one step when the host is not the bottleneck."""
     x = torch.randn(sum(layouts[0]), d, device=device, dtype=dtype)
-    cu = cu_of(layouts[0])
-    times = []
-    for _ in range(reps):
-        call(x, cu, layouts[0])
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)  # queue work so launches land before the GPU gets there
-        s.record()
-        call(x, cu, layouts[0])
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return round(statistics.median(times), 3)
+    return gpu_queued_ms(functools.partial(call, x, cu_of(layouts[0]), layouts[0]), reps)
 
 
 BLOCKS = 4  # eager and graphed alternate in blocks of steps, so clock drift hits both

@@ -19,21 +19,10 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from env import environment  # noqa: E402
+from timing import time_fn  # noqa: E402
 
 SHAPES = {"qkv": (2048, 6144), "o": (2048, 2048), "mlp_in": (2048, 8192), "mlp_out": (8192, 2048)}
 ROWS = [33792, 33864, 33993, 34000, 34048, 34176, 34304, 34560, 34816, 35000, 35328, 35840, 36864]
-
-
-def time_ms(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / reps
 
 
 def main(argv=None):
@@ -47,7 +36,7 @@ def main(argv=None):
             row = {"M": m}
             for n, lin in layers.items():
                 x = torch.randn(m, lin.in_features, device="cuda", dtype=torch.bfloat16)
-                row[n] = round(time_ms(lambda: lin(x)), 4)
+                row[n] = round(time_fn(lambda: lin(x), "cuda", min_reps=20)["mean_ms"], 4)
             row["sum"] = round(sum(row[n] for n in SHAPES), 4)
             row["sum_per_1k_rows"] = round(row["sum"] / m * 1000, 5)
             print(json.dumps(row), flush=True)

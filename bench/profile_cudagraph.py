@@ -14,7 +14,6 @@ import json
 import pathlib
 import sys
 import traceback
-from collections import defaultdict
 
 import torch
 
@@ -24,23 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import ragged_compile as rc  # noqa: E402
 from bench_cudagraph import Encoder, cu_of, random_lens  # noqa: E402
 from env import environment  # noqa: E402
-from gemm_rows import time_ms  # noqa: E402
-
-
-def kernel_times(fn, steps=5):
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    acc = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            acc[ev.name[:90]] += ev.device_time_total / 1e3 / steps
-    total = sum(acc.values())
-    top = sorted(acc.items(), key=lambda kv: -kv[1])[:25]
-    return {"total_ms": round(total, 3), "top": [(n, round(t, 3)) for n, t in top]}
+from timing import kernel_times, time_fn  # noqa: E402
 
 
 def profile_encoder(layouts, bucket):
@@ -92,7 +75,8 @@ def gemm_check(rows=(33864, 34000), reps=20):
                 lin(x)
             for name, fn in (("eager", lambda: lin(x)), ("graphed", graph.replay)):
                 k = kernel_times(fn, steps=3)
-                res[f"{m}_{name}"] = {"ms": round(time_ms(fn, reps), 4), "kernels": k["top"][:2]}
+                ms = time_fn(fn, "cuda", min_reps=reps)["mean_ms"]
+                res[f"{m}_{name}"] = {"ms": round(ms, 4), "kernels": k["top"][:2]}
     return res
 
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 
 import ragged_compile
 from ragged_compile.reference import reference_attention
-from fuzz.strategies import AttentionCase, Layout, attention_cases
+from ragged_compile.testing import AttentionCase, Layout, attention_cases
 
 pytestmark = [
     pytest.mark.cuda,
@@ -90,8 +90,8 @@ def test_cuda_matches_float32_reference():
         ran["causal"] += case.causal
         ran["gqa"] += case.hq != case.hkv
         ran["padded_dim"] += case.head_dim in (72, 80, 96)
-        ran["empty_segment"] += 0 in case.q_lens or 0 in case.kv_lens
-        ran["one_token_segment"] += 1 in case.q_lens or 1 in case.kv_lens
+        ran["empty_segment"] += 0 in case.q_lengths or 0 in case.k_lengths
+        ran["one_token_segment"] += 1 in case.q_lengths or 1 in case.k_lengths
 
     for c in EXAMPLES:
         check = example(case=c)(check)

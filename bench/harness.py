@@ -1,0 +1,186 @@
+"""What every section of bench_attention.py shares: ragged_compile imported
+defensively, logging, error capture (Skip / Unsupported / time budget), JSON
+sanitation, runtime statistics and the tolerances that decide "correct"."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import os
+import time
+import traceback
+from collections import Counter
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# ragged_compile is imported defensively: if it fails to import on the GPU
+# machine's torch, the baselines are still measured and every row of ours says why.
+try:
+    import ragged_compile as rc
+
+    RC_IMPORT_ERROR = None
+except Exception as _e:  # noqa: BLE001
+    rc = None
+    RC_IMPORT_ERROR = f"{type(_e).__name__}: {_e}"
+try:
+    from ragged_compile.reference import dense_attention, reference_attention
+except Exception:  # noqa: BLE001 - the oracle only needs torch: load the file itself
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location(
+        "_rc_reference", os.path.join(ROOT, "ragged_compile", "reference.py")
+    )
+    _ref = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_ref)
+    dense_attention, reference_attention = _ref.dense_attention, _ref.reference_attention
+
+try:
+    from env import environment  # bench/env.py
+except Exception as _e:  # noqa: BLE001
+
+    def environment(_err=repr(_e)) -> dict:
+        return {"torch": torch.__version__, "env_py": f"unavailable: {_err}"}
+
+
+DTYPE = torch.bfloat16
+TOL = 2e-2  # max abs diff vs the float32 reference that still counts as correct (bf16)
+E2E_REL_TOL = 5e-2  # e2e: max abs diff / max abs value vs ours_packed_eager
+T_START = time.perf_counter()
+# Known not to run on CPU (NOTES): tried anyway in --smoke to exercise the plumbing.
+CPU_EXPECTED_FAILURES = {
+    "varlen_attn": "CUDA only: varlen_attn has no CPU kernel",
+    "njt_sdpa_compiled": "NJT SDPA cannot be compiled on CPU (MATH path, no fake kernel)",
+    "varlen_compiled": "CUDA only: varlen_attn has no CPU kernel",
+}
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.perf_counter() - T_START:7.1f}s] {msg}", flush=True)
+
+
+def err_str(e: BaseException, limit: int = 700) -> str:
+    s = f"{type(e).__name__}: {e}".strip()
+    return s if len(s) <= limit else s[:limit] + " ...[truncated]"
+
+
+def tb_tail(limit: int = 1500) -> str:
+    s = traceback.format_exc()
+    return s[-limit:]
+
+
+def need_rc(attr: str | None = None):
+    """ragged_compile (or one of its attributes), or an error that says why not."""
+    if rc is None:
+        raise RuntimeError(f"ragged_compile failed to import: {RC_IMPORT_ERROR}")
+    if attr is not None and not hasattr(rc, attr):
+        raise Skip(f"not available: ragged_compile.{attr} does not exist in this checkout")
+    return rc if attr is None else getattr(rc, attr)
+
+
+class Skip(Exception):
+    """Not measured here, with the reason (status "skipped")."""
+
+    status = "skipped"
+
+
+class Unsupported(Skip):
+    """The implementation cannot express this case (status "unsupported")."""
+
+    status = "unsupported"
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - T_START)
+
+    def check(self, need: float = 15.0) -> None:
+        if self.left() < need:
+            raise Skip(f"time budget exhausted ({self.seconds:.0f} s, --time-budget-s)")
+
+
+def has_kwarg(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def raise_recompile_limits() -> None:
+    cfg = torch._dynamo.config
+    for name, val in (
+        ("recompile_limit", 64),
+        ("cache_size_limit", 64),
+        ("accumulated_recompile_limit", 1024),
+        ("accumulated_cache_size_limit", 1024),
+    ):
+        if hasattr(cfg, name):
+            with contextlib.suppress(Exception):
+                setattr(cfg, name, max(int(getattr(cfg, name)), val))
+
+
+def sanitize(o):
+    """JSON-safe copy: non-finite floats become strings, unknown objects repr."""
+    if isinstance(o, dict):
+        return {str(k): sanitize(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [sanitize(v) for v in o]
+    if isinstance(o, bool) or o is None or isinstance(o, (int, str)):
+        return o
+    if isinstance(o, float):
+        return o if math.isfinite(o) else str(o)
+    if isinstance(o, torch.dtype):
+        return str(o)
+    try:
+        return float(o)
+    except Exception:  # noqa: BLE001
+        return repr(o)
+
+
+def all_runtime_stats(extra=()) -> Counter:
+    """Sum of stats over every ragged_compile runtime we know of."""
+    total: Counter = Counter()
+    seen = set()
+    rts = list(extra)
+    with contextlib.suppress(Exception):
+        rts += list(rc.runtime._runtimes.values())
+    for rt in rts:
+        if id(rt) in seen:
+            continue
+        seen.add(id(rt))
+        with contextlib.suppress(Exception):
+            total.update(rt.stats)
+    return total
+
+
+def stats_delta(after: Counter, before: Counter) -> dict:
+    keys = set(after) | set(before)
+    return {k: after.get(k, 0) - before.get(k, 0) for k in sorted(keys)}
+
+
+def auto_backend(dev: torch.device, n: int, total_k: int) -> str:
+    """What ragged_compile's backend="auto" picks for a layout (its own rule if importable)."""
+    try:
+        from ragged_compile.backends.flashinfer import choose_backend
+
+        return choose_backend("auto", dev, n, total_k)
+    except Exception as e:  # noqa: BLE001 - the rule as of 0.1.0, said out loud
+        log(f"choose_backend unusable here ({err_str(e, 200)}): assuming the 0.1.0 rule")
+        sm90 = torch.cuda.get_device_capability(dev) == (9, 0)
+        return "fa3" if sm90 and total_k / max(n, 1) >= 256 else "fa2"
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        raise ValueError(f"shape mismatch {tuple(a.shape)} vs {tuple(b.shape)}")
+    if a.numel() == 0:
+        return 0.0
+    return float((a.float() - b.float().to(a.device)).abs().max().item())
+
+

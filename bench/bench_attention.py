@@ -173,7 +173,9 @@ def run_ops(args, dev, results, writer, budget: Budget) -> None:
         if dev.type == "cuda" and any(n == "ours_eager" for n, _ in impls):
             try:
                 budget.check()
-                backend = entry["summary"].get("ours_backend") or auto_backend(dev, c.n, c.total)
+                backend = entry["summary"].get("ours_backend") or auto_backend(
+                    dev, c.n, c.total, hq=c.hq, hkv=c.hkv, head_dim=c.d, causal=c.causal
+                )
                 pr = paired_vs_flashinfer(c, sh, backend)
                 entry["summary"]["paired_ours_vs_flashinfer"] = pr
                 log(

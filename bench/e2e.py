@@ -174,7 +174,7 @@ def run_e2e(args, dev, results, writer, budget: Budget) -> None:
         # The kernel ours ran in ours_packed_eager (first in the plan), else auto's rule.
         backend = getattr(rt, "last_backend", None)
         if backend not in ("fa2", "fa3"):
-            backend = auto_backend(dev, n, T)
+            backend = auto_backend(dev, n, T, hq=heads, hkv=heads, head_dim=d // heads, causal=False)
         wr = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
             torch.empty(256 << 20, dtype=torch.uint8, device=dev), kv_layout="NHD", backend=backend
         )

@@ -164,12 +164,13 @@ def stats_delta(after: Counter, before: Counter) -> dict:
     return {k: after.get(k, 0) - before.get(k, 0) for k in sorted(keys)}
 
 
-def auto_backend(dev: torch.device, n: int, total_k: int) -> str:
-    """What ragged_compile's backend="auto" picks for a layout (its own rule if importable)."""
+def auto_backend(dev: torch.device, n: int, total_k: int, **heads) -> str:
+    """What ragged_compile's backend="auto" picks for a layout (its own rule if importable);
+    ``heads``: hq, hkv, head_dim, causal, as choose_backend takes them."""
     try:
         from ragged_compile.backends.flashinfer import choose_backend
 
-        return choose_backend("auto", dev, n, total_k)
+        return choose_backend("auto", dev, n, total_k, **heads)
     except Exception as e:  # noqa: BLE001 - the rule as of 0.1.0, said out loud
         log(f"choose_backend unusable here ({err_str(e, 200)}): assuming the 0.1.0 rule")
         sm90 = torch.cuda.get_device_capability(dev) == (9, 0)

@@ -45,6 +45,7 @@ log = logging.getLogger("ragged_compile")
 
 _WORKSPACE_BYTES = 256 << 20
 _WRAPPERS_PER_CONFIG = 8  # beyond this a step waits for an old plan's copy to land
+_RETAINED_STEPS = 2  # finished training steps kept for activation-checkpoint recomputes
 _ids = itertools.count()
 
 
@@ -196,6 +197,34 @@ class _Step:
         rt.stats["flashinfer"] += 1
         return fi.run(slot.wrapper, q, k, v)
 
+    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float):
+        """:meth:`attention` for training: also the LSE in the backward's layout
+        (``[Hq, Tq]`` fp32, natural log, ``+inf`` for keyless rows; see
+        backends/flash_backward.py) and the longest q and k segment from the host
+        layout, so the backward needs no sync. The caller checked support."""
+        from .backends.flash_backward import lse_from_flashinfer
+
+        rt = self.runtime
+        self.trains = True  # kept past its end for checkpoint recomputes (Runtime._retain)
+        total_q, total_k = q.shape[0], k.shape[0]
+        layout = self.layout_for(cu_q, cu_k, total_q, total_k)
+        if debug_checks():
+            dq, dk = layout.device_offsets(q.device)
+            if not (torch.equal(dq, cu_q.to(dq.dtype)) and torch.equal(dk, cu_k.to(dk.dtype))):
+                raise ValueError("cu_seqlens do not match the layout planned for this step")
+        max_lens = layout.__dict__.get("max_lens")
+        if max_lens is None:
+            max_lens = layout.max_lens = tuple(
+                int((cu[1:] - cu[:-1]).max()) if layout.n else 0 for cu in (layout.cu_q, layout.cu_k)
+            )
+        if total_q == 0 or total_k == 0:
+            lse = torch.full((q.shape[1], total_q), float("inf"), dtype=torch.float32, device=q.device)
+            return q.new_zeros(q.shape), lse, max_lens
+        slot = rt._plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale)
+        rt.stats["flashinfer"] += 1
+        out, lse = fi.run_with_lse(slot.wrapper, q, k, v)
+        return out, lse_from_flashinfer(lse), max_lens
+
 
 _local = threading.local()
 
@@ -272,6 +301,8 @@ class Runtime:
             for slot in step.slots:
                 slot.last_used = self._tick
             self._tick += 1
+            if getattr(step, "trains", False):
+                self._retain(step)
 
     def graphed(self, model, buckets, *, split_kv="auto"):
         """Run ``model(x, cu_seqlens[, kv, cu_seqlens_k])`` under CUDA graphs,
@@ -289,6 +320,38 @@ class Runtime:
             with self.step():
                 return self.attention(q, k, v, cu_q, cu_k, causal, scale)
         return step.attention(q, k, v, cu_q, cu_k, causal, scale)
+
+    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float):
+        """The training forward's kernel: see :meth:`_Step.attention_with_lse`.
+
+        Outside a step (an activation-checkpoint recompute runs in the backward,
+        after the forward's step closed, on autograd's device thread), a call on
+        offsets a recent training step identified runs in that step again: its
+        layout and plans, no second plan and no sync.
+        """
+        step = current_step()
+        if step is None or step.runtime is not self:
+            step = self._retained_step(cu_q, cu_k)
+            if step is None:
+                with self.step():
+                    return self.attention_with_lse(q, k, v, cu_q, cu_k, causal, scale)
+        return step.attention_with_lse(q, k, v, cu_q, cu_k, causal, scale)
+
+    def _retain(self, step: _Step) -> None:
+        """Keep a finished training step (its offsets, layouts, plans and wrappers)
+        for recomputes in its backward; the last _RETAINED_STEPS are kept."""
+        retained = self.__dict__.setdefault("_retained", [])
+        retained.append(step)
+        del retained[:-_RETAINED_STEPS]
+
+    def _retained_step(self, cu_q: torch.Tensor, cu_k: torch.Tensor) -> _Step | None:
+        # The step holds these offsets: their (pointer, version) cannot name
+        # other offsets while it is kept.
+        key = (_Step._key(cu_q), _Step._key(cu_k))
+        for step in reversed(self.__dict__.get("_retained", ())):
+            if key in step.by_tensor:
+                return step
+        return None
 
     # -- planning -------------------------------------------------------------
     def _plan(self, step: _Step, layout: Layout, hq, hkv, d, dtype, causal, scale) -> _Slot:
@@ -311,7 +374,11 @@ class Runtime:
         has landed: FlashInfer stages the plan in a pinned buffer per wrapper, and
         re-planning while that copy is in flight would corrupt it."""
         pool = self._pool.setdefault(config, [])
-        free = sorted((s for s in pool if s not in step.slots), key=lambda s: s.last_used)
+        kept = [s for r in self.__dict__.get("_retained", ()) if r is not step for s in r.slots]
+        free = sorted((s for s in pool if s not in step.slots and s not in kept), key=lambda s: s.last_used)
+        if not free and kept and len(pool) >= _WRAPPERS_PER_CONFIG:
+            self._retained = []  # out of wrappers: retained training steps give theirs up
+            return self._acquire(step, config)
         slot = next((s for s in free if s.event is None or s.event.query()), None)
         if slot is None and len(pool) < _WRAPPERS_PER_CONFIG:
             slot = _Slot(fi.make_wrapper(self._get_workspace(), config[0]))

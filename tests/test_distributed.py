@@ -107,6 +107,31 @@ def test_uneven_kv_heads_are_not_split(fake_mesh):
     assert out.placements == (Replicate(),)
 
 
+def _torchrun_example(tmp_path, *args: str) -> dict:
+    torchrun = shutil.which("torchrun") or f"{sys.executable} -m torch.distributed.run"
+    result = tmp_path / "result.json"
+    cmd = (
+        f"{torchrun} --standalone --nproc-per-node 2 {ROOT / 'examples' / 'train_fsdp.py'} "
+        + " ".join(args) + f" --check --json {result}"
+    )
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run(cmd, shell=True, env=env, capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(result.read_text())
+
+
+def test_tensor_parallel_example_on_cpu_matches_one_process(tmp_path):
+    """Two gloo ranks, heads split: same losses and weights as one process, and the
+    only collectives are the projections' all-reduces (none in attention)."""
+    got = _torchrun_example(
+        tmp_path, "--device cpu --mode tp --layers 2 --dim 64 --heads 4 --kv-heads 2",
+        "--segments 3 --min-len 1 --max-len 12 --steps 2",
+    )
+    assert got["check"]["passed"], got["check"]
+    assert got["graph_breaks"] == 0
+    assert set(got["comm_counts"]) == {"c10d_functional.all_reduce"}, got["comm_counts"]
+
+
 def _two_gpus() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
@@ -115,15 +140,6 @@ def _two_gpus() -> bool:
 @pytest.mark.skipif(not _two_gpus(), reason="needs two CUDA GPUs")
 @pytest.mark.parametrize("mode", ["fsdp", "tp"])
 def test_two_gpu_training_matches_one_gpu(tmp_path, mode):
-    torchrun = shutil.which("torchrun") or f"{sys.executable} -m torch.distributed.run"
-    result = tmp_path / f"{mode}.json"
-    cmd = (
-        f"{torchrun} --standalone --nproc-per-node 2 {ROOT / 'examples' / 'train_fsdp.py'} "
-        f"--mode {mode} --check --steps 3 --json {result}"
-    )
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run(cmd, shell=True, env=env, capture_output=True, text=True, timeout=480)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    got = json.loads(result.read_text())
+    got = _torchrun_example(tmp_path, f"--mode {mode} --steps 3")
     assert got["check"]["passed"], got["check"]
     assert got["graph_breaks"] == 0 and got["plans_per_forward"] == 1, got

@@ -197,18 +197,18 @@ class Encoder(nn.Module):
 
     def __init__(self, d: int, heads: int, layers: int, attention=None):
         super().__init__()
-        self.heads, self.attention = heads, attention
+        self.heads, self.head_dim, self.attention = heads, d // heads, attention
         self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
 
     def forward(self, x):
-        H = self.heads
+        H, Dh = self.heads, self.head_dim
         for b in self.blocks:
             h = b.ln1(x)
             if self.attention is None:
-                q, k, v = (p(h).unflatten(-1, [H, -1]).transpose(1, 2) for p in (b.q, b.k, b.v))
+                q, k, v = (p(h).unflatten(-1, [H, Dh]).transpose(1, 2) for p in (b.q, b.k, b.v))
                 a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(-2)
             else:
-                q, k, v = (p(h).unflatten(-1, (H, -1)) for p in (b.q, b.k, b.v))
+                q, k, v = (p(h).unflatten(-1, (H, Dh)) for p in (b.q, b.k, b.v))
                 a = self.attention(q, k, v).flatten(-2)
             x = x + b.o(a)
             x = x + b.fc2(F.gelu(b.fc1(b.ln2(x))))

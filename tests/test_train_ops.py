@@ -198,3 +198,76 @@ def test_cpu_calls_with_grad_keep_the_inference_op():
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     assert "ragged_compile.ragged_attention.default" in targets
     assert not any("lse" in t for t in targets)
+
+
+# -- the varlen passes on training graphs --------------------------------------
+
+
+def _flash_forward_graph(used_outputs, hq=4, hkv=2, d=64):
+    """A post-grad forward graph holding aten._flash_attention_forward on fake CUDA
+    tensors, returning the outputs a training graph saves for the stock backward."""
+    import operator
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    g = torch.fx.Graph()
+    with mode:
+        vals = {
+            "q": torch.empty(10, hq, d, device="cuda", dtype=torch.bfloat16),
+            "k": torch.empty(10, hkv, d, device="cuda", dtype=torch.bfloat16),
+            "v": torch.empty(10, hkv, d, device="cuda", dtype=torch.bfloat16),
+            "cu": torch.empty(3, device="cuda", dtype=torch.int32),
+        }
+    nodes = {}
+    for name, val in vals.items():
+        nodes[name] = g.placeholder(name)
+        nodes[name].meta["val"] = val
+    args = (nodes["q"], nodes["k"], nodes["v"], nodes["cu"], nodes["cu"], 8, 8, 0.0, True, False)
+    fa = g.call_function(torch.ops.aten._flash_attention_forward.default, args, {"scale": 0.3})
+    with mode:
+        fa.meta["val"] = torch.ops.aten._flash_attention_forward(
+            vals["q"], vals["k"], vals["v"], vals["cu"], vals["cu"], 8, 8, 0.0, True, False, scale=0.3
+        )
+    outs = []
+    for i in used_outputs:
+        item = g.call_function(operator.getitem, (fa, i))
+        item.meta["val"] = fa.meta["val"][i]
+        outs.append(item)
+    g.output(tuple(outs))
+    return g
+
+
+def test_flash_pass_rewrites_training_forward_to_the_lse_op():
+    from ragged_compile.backends import flashinfer as fi
+    from ragged_compile.passes import FlashVarlenPass
+
+    if not fi.available():
+        pytest.skip("flashinfer is not importable")
+    g = _flash_forward_graph((0, 1, 2, 3))
+    FlashVarlenPass()(g)
+    targets = [n.target for n in g.nodes if n.op == "call_function"]
+    assert torch.ops.aten._flash_attention_forward.default not in targets
+    assert torch.ops.ragged_compile.ragged_attention_lse.default in targets
+    out, lse, rng, unused = g.output_node().args[0]
+    for node, i in ((out, 0), (lse, 1)):
+        assert node.target.__name__ == "getitem" and node.args[1] == i
+        assert node.args[0].target is torch.ops.ragged_compile.ragged_attention_lse.default
+    assert lse.meta["val"].shape == (4, 10) and lse.meta["val"].dtype == torch.float32
+    for node, shape in ((rng, (2,)), (unused, ())):
+        assert node.target is torch.ops.aten.zeros.default
+        assert node.meta["val"].shape == shape and node.meta["val"].dtype == torch.uint64
+    g.lint()
+
+
+def test_flash_pass_keeps_inference_forward_lse_free():
+    from ragged_compile.backends import flashinfer as fi
+    from ragged_compile.passes import FlashVarlenPass
+
+    if not fi.available():
+        pytest.skip("flashinfer is not importable")
+    g = _flash_forward_graph((0,))
+    FlashVarlenPass()(g)
+    targets = [n.target for n in g.nodes if n.op == "call_function"]
+    assert torch.ops.ragged_compile.ragged_attention.default in targets
+    assert torch.ops.ragged_compile.ragged_attention_lse.default not in targets

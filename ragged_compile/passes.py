@@ -91,7 +91,14 @@ def _only_output_used(node: torch.fx.Node) -> str | None:
 def _training_outputs(node: torch.fx.Node, stock_backward_reads: tuple[int, ...]) -> str | None:
     """Skip reason unless every used output is output 0 or one the stock backward
     reads (log-sum-exp, rng state, ...), for which our training forward stands in:
-    the same out and LSE (aten layout), zeros for the rng state (no dropout)."""
+    the same out and LSE (aten layout), zeros for the rng state (no dropout).
+
+    A training graph saves the rng state with the LSE; an LSE read without it is
+    the user's own (``return_aux``), left to stock: bitwise it is the kernel's.
+    """
+    used = {u.args[1] for u in node.users if u.target is operator.getitem and u.users}
+    if 1 in used and 2 not in used:
+        return "output 1 (log-sum-exp) is read by user code, not only by the stock backward"
     for user in node.users:
         if user.target is not operator.getitem:
             return f"its result tuple is used whole by {user.format_node()}"

@@ -272,3 +272,28 @@ def test_compiled_njt_encoder_trains_on_our_op(monkeypatch, caplog, checkpoint):
             graphs_after.append(counters["stats"]["unique_graphs"])
     assert graphs_after[-1] == graphs_after[1], f"new layouts compiled new graphs: {graphs_after}"
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+
+
+def test_compiled_varlen_attn_trains_on_our_forward():
+    """varlen_attn under ragged_compile.enable(): the training forward graph runs our
+    LSE op (the pass stands in for aten's out/LSE/rng state), the stock FA2 backward
+    consumes our LSE, and the gradients are float64 autograd's."""
+    pytest.importorskip("torch.nn.attention.varlen")
+    from torch._inductor.utils import run_and_get_code
+    from torch.nn.attention.varlen import varlen_attn
+
+    lens = [37, 1, 200, 64]
+    q, k, v, cq, _ = _case(lens, lens, 8, 8, 64)
+    g = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    m = max(lens)
+
+    def f(q, k, v):
+        return varlen_attn(q, k, v, cq, cq, m, m, window_size=(-1, 0))
+
+    torch._dynamo.reset()
+    with rc.enable(), torch._inductor.config.patch(force_disable_caches=True):
+        out, codes = run_and_get_code(torch.compile(f, fullgraph=True), q, k, v)
+        out.backward(g)
+    assert "ragged_attention_lse" in "\n".join(codes)
+    _, want = _float64_grads(q, k, v, cq, cq, True, 64**-0.5, g)
+    _assert_close_grads([t.grad for t in (q, k, v)], want, q.dtype, "varlen_attn compiled")

@@ -7,7 +7,7 @@
 #   STEPS="bench-attn bench-e2e dist-bench" bash bench/gpu_session.sh bash bench/gpu_train.sh
 #   STEPS="dist-tests"                 bash bench/gpu_session.sh bash bench/gpu_train.sh
 #
-# (no STEPS: everything, ~15-20 min). Logs, JUnit XML, JSON and markdown land in
+# (limits per call: 540, 540, 240 s; no STEPS: everything, ~12-20 min). Logs, JUnit XML, JSON and markdown land in
 # $OUT/train/. Kernels come from .fiaot; "warm" compiles the missing ones in parallel.
 set -u
 R=${OUT:-/tmp/out}/train
@@ -32,14 +32,14 @@ step cuda-tests "${T_TESTS:-170}" python3 -m pytest -q -rs -m cuda -p no:cachepr
   tests/test_train_cuda.py tests/test_runtime_cuda.py --junitxml="$R/cuda-tests.xml"
 step fuzz "${T_FUZZ:-220}" env RAGGED_COMPILE_BACKEND=fa2 RAGGED_FUZZ_GRAD_EXAMPLES="${RAGGED_FUZZ_GRAD_EXAMPLES:-1000}" \
   python3 -m pytest -q -s -p no:cacheprovider fuzz/test_fuzz_grad_cuda.py --junitxml="$R/fuzz.xml"
-step bench-attn "${T_ATTN:-90}" python3 bench/bench_train.py --only attn --out "$R"
-step bench-e2e "${T_E2E:-200}" python3 bench/bench_train.py --only e2e --out "$R"
-step dist-tests "${T_DIST:-400}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_distributed.py --junitxml="$R/dist-tests.xml"
+step bench-attn "${T_ATTN:-80}" python3 bench/bench_train.py --only attn --out "$R"
+step bench-e2e "${T_E2E:-180}" python3 bench/bench_train.py --only e2e --out "$R"
+step dist-tests "${T_DIST:-240}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_distributed.py --junitxml="$R/dist-tests.xml"
 BENCH_ARGS="--mode fsdp --bench --layers 8 --dim 2048 --heads 16 --kv-heads 16 --segments 16 --min-len 64 --max-len 4096 --steps 6"
 case " ${STEPS:-dist-bench} " in *" dist-bench "*) STEPS_DB=1 ;; *) STEPS_DB=0 ;; esac
 [ "$STEPS_DB" = 1 ] && STEPS="${STEPS:+$STEPS }dist-bench-1gpu dist-bench-2gpu"
-step dist-bench-1gpu "${T_DB1:-110}" torchrun --standalone --nproc-per-node 1 examples/train_fsdp.py $BENCH_ARGS --json "$R/fsdp-1gpu.json"
-step dist-bench-2gpu "${T_DB2:-130}" torchrun --standalone --nproc-per-node 2 examples/train_fsdp.py $BENCH_ARGS --json "$R/fsdp-2gpu.json"
+step dist-bench-1gpu "${T_DB1:-130}" torchrun --standalone --nproc-per-node 1 examples/train_fsdp.py $BENCH_ARGS --json "$R/fsdp-1gpu.json"
+step dist-bench-2gpu "${T_DB2:-150}" torchrun --standalone --nproc-per-node 2 examples/train_fsdp.py $BENCH_ARGS --json "$R/fsdp-2gpu.json"
 python3 - "$R" <<'PY'
 import json, os, sys
 r = sys.argv[1]

@@ -297,3 +297,28 @@ def test_compiled_varlen_attn_trains_on_our_forward():
     assert "ragged_attention_lse" in "\n".join(codes)
     _, want = _float64_grads(q, k, v, cq, cq, True, 64**-0.5, g)
     _assert_close_grads([t.grad for t in (q, k, v)], want, q.dtype, "varlen_attn compiled")
+
+
+def test_eager_njt_sdpa_with_gqa_trains_on_our_op(monkeypatch, caplog):
+    """Eager NJT SDPA under enable(): GQA (which stock NJT SDPA rejects) trains on
+    our forward and the fused backward, with the dense per-sequence gradients."""
+    calls = []
+    real = flash_backward._kernel
+    monkeypatch.setattr(flash_backward, "_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    torch.manual_seed(0)
+    layer = SelfAttentionLayer(256, 8, kv_heads=2, causal=True).cuda().to(torch.bfloat16)
+    lens = [33, 1, 250, 7]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    xs = [torch.randn(n, 256, device="cuda", generator=g).to(torch.bfloat16) for n in lens]
+    ws = [torch.randn(n, 256, device="cuda", generator=g).to(torch.bfloat16) for n in lens]
+    x = torch.nested.nested_tensor(xs, layout=torch.jagged)
+    w = torch.nested.nested_tensor(ws, layout=torch.jagged)
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"), rc.enable():
+        (layer(x).values() * w.values()).float().sum().backward()
+    assert calls == [1]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    ref = SelfAttentionLayer(256, 8, kv_heads=2, causal=True).cuda()
+    ref.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+    sum((ref(a.float().unsqueeze(0))[0] * b.float()).sum() for a, b in zip(xs, ws)).backward()
+    for (n, p), (_, r) in zip(layer.named_parameters(), ref.named_parameters()):
+        assert _rel(p.grad.float(), r.grad) < 5e-2, n

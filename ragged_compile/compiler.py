@@ -76,9 +76,18 @@ def _call_context(args: tuple, kwargs: dict) -> contextlib.AbstractContextManage
 
 @contextlib.contextmanager
 def _cuda_step(njts: list[NestedTensor]):
-    from .runtime import get_runtime
+    from .runtime import current_step, get_runtime
 
-    with get_runtime(njts[0].device).step() as step:
+    runtime = get_runtime(njts[0].device)
+    outer = current_step()
+    if outer is not None and outer.runtime is runtime:
+        # Compiled blocks called inside one forward (per-block compile, as with
+        # FSDP2) join the step around it: one plan per layout per forward.
+        for nt in njts:
+            outer.prefetch(nt._offsets)
+        yield
+        return
+    with runtime.step() as step:
         for nt in njts:
             step.prefetch(nt._offsets)
         yield

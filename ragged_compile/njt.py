@@ -38,6 +38,7 @@ from torch.nested._internal.nested_tensor import (
 from . import ops as _ops  # noqa: F401  (registers torch.ops.ragged_compile.ragged_attention)
 from .ops import unsupported_reason
 from .passes import RaggedAttentionPasses, ragged_attention_passes
+from .train_ops import attention, training_unsupported_reason
 
 __all__ = ["enable", "is_enabled"]
 
@@ -145,14 +146,13 @@ def _stock_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa
         and torch.is_grad_enabled()
         and (query.requires_grad or key.requires_grad or value.requires_grad)
     ):
-        # Our backward is the exact reference kernel: right everywhere, but on a
-        # GPU stock NJT SDPA trains with a fused flash backward. On CPU stock has
-        # no causal, no GQA and no compile, so training there runs on our op.
-        return (
-            "inputs require grad on a GPU, where stock NJT SDPA has a fused backward and "
-            "ragged_compile's backward is the reference kernel; for inference run under "
-            "torch.no_grad() or torch.inference_mode()"
-        )
+        # On CUDA the op trains with fused kernels (train_ops.py) where they take
+        # the call; elsewhere stock NJT SDPA has a fused backward and ours would be
+        # the reference kernel. On CPU stock has no causal, no GQA and no compile,
+        # so training there runs on our op.
+        why = training_unsupported_reason(query.device, query.dtype, query.size(-1))
+        if why is not None:
+            return f"inputs require grad and {why}"
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "inputs are not 4-D [B, H, j, D]"
     if query._ragged_idx != 2 or key._ragged_idx != 2 or value._ragged_idx != 2:
@@ -215,9 +215,7 @@ def _ragged_sdpa(
         f"NJT SDPA -> ragged_attention (causal={bool(is_causal)}, heads "
         f"{query.size(1)}/{key.size(1)}, {'self' if cu_q is cu_k else 'cross'}-attention)",
     )
-    out = torch.ops.ragged_compile.ragged_attention(
-        q.values(), k.values(), v.values(), cu_q, cu_k, bool(is_causal), scale
-    )
+    out = attention(q.values(), k.values(), v.values(), cu_q, cu_k, bool(is_causal), scale)
     out = nested_view_from_values_offsets_lengths(
         out, cu_q, None, min_seqlen=q._maybe_min_seqlen, max_seqlen=q._maybe_max_seqlen
     )

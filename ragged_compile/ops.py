@@ -6,6 +6,7 @@ import torch
 
 from .reference import reference_attention, reference_attention_backward
 from .runtime import get_runtime
+from .train_ops import attention as _dispatch  # inference op, or the training pair (train_ops.py)
 from .validation import SUPPORTED_DTYPES, check_cu_seqlens_values, check_inputs, debug_checks
 
 __all__ = ["ragged_attention", "SUPPORTED_DTYPES", "unsupported_reason"]
@@ -82,9 +83,11 @@ def ragged_attention(
 
     Inputs of any strides are accepted; kernels that need a contiguous last
     dimension copy. GQA/MQA: query head ``h`` uses k/v head ``h // (Hq // Hkv)``
-    (as ``enable_gqa=True`` in SDPA). Backward: exact gradients from the reference
-    kernel in float32 on any device (correct, not fast: on CUDA the forward is
-    FlashInfer, the backward is not).
+    (as ``enable_gqa=True`` in SDPA). Backward: on CUDA (fp16/bf16, head_dim
+    <= 256, SM80+) a grad-requiring call runs FlashInfer's forward with its LSE
+    and PyTorch's FlashAttention-2 varlen backward (see train_ops.py); elsewhere
+    exact gradients from the reference kernel in float32 (on CUDA with a
+    warning, once).
 
     Offsets are checked (``cu[0] == 0``, non-decreasing, ``cu[-1] == T``) on
     host copies: always for CPU tensors, at plan time on CUDA, and on every call
@@ -106,10 +109,9 @@ def ragged_attention(
             check_cu_seqlens_values(cu_seqlens_q, q.shape[0], "cu_seqlens_q", max_seqlen_q)
             check_cu_seqlens_values(cu_seqlens_k, k.shape[0], "cu_seqlens_k", max_seqlen_k)
     if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is None:
-        # Autograd and AOTAutograd differentiate the op through its registered autograd.
-        return torch.ops.ragged_compile.ragged_attention(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale)
-        )
+        # Autograd and AOTAutograd differentiate the op (or, for CUDA training,
+        # the LSE pair of train_ops.py) through its registered autograd.
+        return _dispatch(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale))
     # Under a torch.func transform (grad, vjp, jacrev, vmap).
     return _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale))
 

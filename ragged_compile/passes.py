@@ -38,6 +38,7 @@ log = logging.getLogger("ragged_compile")
 
 aten = torch.ops.aten
 _RAGGED = torch.ops.ragged_compile.ragged_attention.default
+_RAGGED_LSE = torch.ops.ragged_compile.ragged_attention_lse.default  # train_ops.py, via ops.py
 _CASTS = {torch.ops.prims.convert_element_type.default, aten._to_copy.default}
 
 
@@ -85,6 +86,35 @@ def _only_output_used(node: torch.fx.Node) -> str | None:
         if user.args[1] != 0 and user.users:
             return f"output {user.args[1]} (log-sum-exp / rng state / sizes) is used by {user.name}"
     return None
+
+
+def _training_outputs(node: torch.fx.Node, stock_backward_reads: tuple[int, ...]) -> str | None:
+    """Skip reason unless every used output is output 0 or one the stock backward
+    reads (log-sum-exp, rng state, ...), for which our training forward stands in:
+    the same out and LSE (aten layout), zeros for the rng state (no dropout).
+
+    A training graph saves the rng state with the LSE; an LSE read without it is
+    the user's own (``return_aux``), left to stock: bitwise it is the kernel's.
+    """
+    used = {u.args[1] for u in node.users if u.target is operator.getitem and u.users}
+    if 1 in used and 2 not in used:
+        return "output 1 (log-sum-exp) is read by user code, not only by the stock backward"
+    for user in node.users:
+        if user.target is not operator.getitem:
+            return f"its result tuple is used whole by {user.format_node()}"
+        i = user.args[1]
+        if i == 0 or not user.users:
+            continue
+        if i not in stock_backward_reads:
+            return f"output {i} is used by {user.name}"
+        val = _val(user)
+        if i > 1 and not (isinstance(val, torch.Tensor) and all(isinstance(n, int) for n in val.shape)):
+            return f"output {i} has no static shape to stand in for"
+    return None
+
+
+def _lse_used(node: torch.fx.Node) -> bool:
+    return any(u.args[1] != 0 and u.users for u in node.users)
 
 
 def _peel_cast(cu: torch.fx.Node) -> torch.fx.Node:
@@ -177,7 +207,27 @@ class _AttentionPass(CustomGraphPass):
         raise NotImplementedError
 
     def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node, plan: tuple) -> torch.fx.Node:
-        return _insert(graph, node, _RAGGED, plan)
+        if not _lse_used(node):
+            return _insert(graph, node, _RAGGED, plan)
+        # A training graph: the stock backward reads the forward's LSE (and rng
+        # state). Our training forward gives the same out and LSE; the backward
+        # stays the stock FlashAttention-2 one.
+        res = _insert(graph, node, _RAGGED_LSE, plan)
+        out = _insert(graph, node, operator.getitem, (res, 0))
+        lse = _insert(graph, node, operator.getitem, (res, 1))
+        for user in list(node.users):
+            if user.args[1] == 1:
+                user.replace_all_uses_with(lse)
+            elif user.args[1] > 1 and user.users:
+                v = _val(user)
+                with graph.inserting_before(node):
+                    zeros = graph.call_function(
+                        aten.zeros.default, (list(v.shape),), {"dtype": v.dtype, "device": v.device}
+                    )
+                with v.fake_mode:
+                    zeros.meta["val"] = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+                user.replace_all_uses_with(zeros)
+        return out
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         target = self.target()
@@ -224,7 +274,7 @@ class FlashVarlenPass(_AttentionPass):
         if left not in (None, -1) or right not in (None, -1, 0):
             return f"sliding window ({left}, {right})"
         causal = causal or right == 0
-        reason = _only_output_used(node) or _check_qkv(a["query"], a["key"], a["value"])
+        reason = _training_outputs(node, (1, 2, 3)) or _check_qkv(a["query"], a["key"], a["value"])
         if reason:
             return reason
         scale = _scale(a["scale"], a["query"])
@@ -306,7 +356,7 @@ class VarlenAttnPass(_AttentionPass):
         if window not in ([-1, -1], [-1, 0]):
             return f"sliding window {tuple(window)}"
         causal = bool(a.get("is_causal", False)) or window == [-1, 0]
-        reason = _only_output_used(node) or _check_qkv(a["query"], a["key"], a["value"])
+        reason = _training_outputs(node, (1, 2)) or _check_qkv(a["query"], a["key"], a["value"])
         if reason:
             return reason
         hq, hkv = _val(a["query"]).shape[1], _val(a["key"]).shape[1]
@@ -320,7 +370,7 @@ class VarlenAttnPass(_AttentionPass):
 
 
 _HELPERS = (
-    _bind, _val, _only_output_used, _peel_cast, _check_qkv, _scale, _insert, _squeeze0, _replace_output,
+    _bind, _val, _only_output_used, _training_outputs, _lse_used, _peel_cast, _check_qkv, _scale, _insert, _squeeze0, _replace_output,
     unsupported_reason,
 )
 

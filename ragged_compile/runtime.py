@@ -68,6 +68,7 @@ log = logging.getLogger("ragged_compile")
 _WORKSPACE_BYTES = 256 << 20
 _WRAPPERS_PER_CONFIG = 8  # beyond this a step waits for an old plan's copy to land
 _IMPLICIT_LAYOUTS = 4  # layouts an implicit step keeps planned (wrappers it holds per config)
+_RETAINED_STEPS = 2  # finished training steps kept for activation-checkpoint recomputes
 _ids = itertools.count()
 
 
@@ -264,6 +265,11 @@ class _Step:
         self.by_tensor[key] = layout
         return layout
 
+    def knows(self, cu_q: torch.Tensor, cu_k: torch.Tensor) -> bool:
+        """Whether this step identified these offsets (it holds them, so their
+        address and version cannot name other offsets while it lives)."""
+        return (self._key(cu_q), self._key(cu_k)) in self.by_tensor
+
     def release(self, tick: int) -> None:
         """Give this step's wrappers back to the pool."""
         for slot in self.slots:
@@ -293,6 +299,34 @@ class _Step:
         slot = rt._plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale)
         rt._count("flashinfer")
         return fi.run(slot.wrapper, q, k, v)
+
+    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float):
+        """:meth:`attention` for training: also the LSE in the backward's layout
+        (``[Hq, Tq]`` fp32, natural log, ``+inf`` for keyless rows; see
+        backends/flash_backward.py) and the longest q and k segment from the host
+        layout, so the backward needs no sync. The caller checked support."""
+        from .backends.flash_backward import lse_from_flashinfer
+
+        rt = self.runtime
+        self.trains = True  # kept past its end for checkpoint recomputes (Runtime._release)
+        total_q, total_k = q.shape[0], k.shape[0]
+        layout = self.layout_for(cu_q, cu_k, total_q, total_k)
+        if debug_checks():
+            dq, dk = layout.device_offsets(q.device)
+            if not (torch.equal(dq, cu_q.to(dq.dtype)) and torch.equal(dk, cu_k.to(dk.dtype))):
+                raise ValueError("cu_seqlens do not match the layout planned for this step")
+        max_lens = layout.__dict__.get("max_lens")
+        if max_lens is None:
+            max_lens = layout.max_lens = tuple(
+                int((cu[1:] - cu[:-1]).max()) if layout.n else 0 for cu in (layout.cu_q, layout.cu_k)
+            )
+        if total_q == 0 or total_k == 0:
+            lse = torch.full((q.shape[1], total_q), float("inf"), dtype=torch.float32, device=q.device)
+            return q.new_zeros(q.shape), lse, max_lens
+        slot = rt._plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale)
+        rt._count("flashinfer")
+        out, lse = fi.run_with_lse(slot.wrapper, q, k, v)
+        return out, lse_from_flashinfer(lse), max_lens
 
 
 class _ImplicitStep(_Step):
@@ -394,6 +428,7 @@ class Runtime:
         self._warned: set[str] = set()
         self._lock = threading.Lock()  # the wrapper pool, the workspace, stats, the tick
         self._local = threading.local()  # this thread's implicit step
+        self._retained: list[_Step] = []  # finished training steps (see _release)
         self.last_backend: str | None = None  # what the last call ran: "fa2", "fa3", "reference"
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -424,8 +459,17 @@ class Runtime:
             self._release(step)
 
     def _release(self, step: _Step) -> None:
+        """End a step: its wrappers go back to the pool. A training step is kept,
+        wrappers and all, for activation-checkpoint recomputes in its backward;
+        the last _RETAINED_STEPS of them are."""
         with self._lock:
-            step.release(self._tick)
+            done = [step]
+            if getattr(step, "trains", False):
+                self._retained.append(step)
+                done = self._retained[:-_RETAINED_STEPS]
+                del self._retained[:-_RETAINED_STEPS]
+            for finished in done:
+                finished.release(self._tick)
             self._tick += 1
 
     def graphed(self, model, buckets, *, split_kv="auto", outputs=None):
@@ -482,6 +526,30 @@ class Runtime:
         implicit = self._local.implicit = _ImplicitStep(self)
         return implicit
 
+    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float):
+        """The training forward's kernel: see :meth:`_Step.attention_with_lse`.
+
+        Outside a step (an activation-checkpoint recompute runs in the backward,
+        after the forward's step closed, on autograd's device thread), a call on
+        offsets a recent training step identified runs in that step again: its
+        layout and plans, no second plan and no sync.
+        """
+        step = current_step()
+        if step is None or step.runtime is not self:
+            step = self._retained_step(cu_q, cu_k) or self._step_for(cu_q, cu_k)
+            if step is None:
+                with self.step():
+                    return self.attention_with_lse(q, k, v, cu_q, cu_k, causal, scale)
+        return step.attention_with_lse(q, k, v, cu_q, cu_k, causal, scale)
+
+    def _retained_step(self, cu_q: torch.Tensor, cu_k: torch.Tensor) -> _Step | None:
+        with self._lock:
+            retained = list(self._retained)
+        for step in reversed(retained):
+            if step.knows(cu_q, cu_k):
+                return step
+        return None
+
     # -- planning -------------------------------------------------------------
     def _current_stream(self) -> int:
         if self.device.type != "cuda":
@@ -521,6 +589,11 @@ class Runtime:
                     f"more than {_WRAPPERS_PER_CONFIG} layouts of one configuration in one step"
                 )
             free = sorted((s for s in pool if s.free()), key=lambda s: s.last_used)
+            while not free and len(pool) >= _WRAPPERS_PER_CONFIG and self._retained:
+                # Out of wrappers: the oldest retained training step gives its up
+                # (a recompute on its offsets then plans again).
+                self._retained.pop(0).release(self._tick)
+                free = sorted((s for s in pool if s.free()), key=lambda s: s.last_used)
             slot = next((s for s in free if s.event is None or s.event.query()), None)
             # Past the soft limit only when every wrapper is held (other threads' steps).
             if slot is None and (len(pool) < _WRAPPERS_PER_CONFIG or not free):

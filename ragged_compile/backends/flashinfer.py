@@ -41,6 +41,7 @@ __all__ = [
     "workspace_shortfall",
     "plan",
     "run",
+    "run_with_lse",
 ]
 
 PADDED_HEAD_DIMS = (64, 128, 256)
@@ -241,3 +242,16 @@ def run(wrapper, q, k, v) -> torch.Tensor:
     if dp != d:
         out = out[..., :d].contiguous()
     return out
+
+
+def run_with_lse(wrapper, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`run` plus FlashInfer's log-sum-exp: ``[Tq, Hq]`` fp32, base 2, softmax
+    scale included, ``-inf`` for rows that see no key; zero head-dim padding leaves
+    it unchanged. Only the default layout and base are asked for (every FlashInfer
+    version has them); backends/flash_backward.py converts for the backward."""
+    d = q.shape[-1]
+    dp = padded_head_dim(d)
+    out, lse = wrapper.run(_prepare(q, dp), _prepare(k, dp), _prepare(v, dp), return_lse=True)
+    if dp != d:
+        out = out[..., :d].contiguous()
+    return out, lse

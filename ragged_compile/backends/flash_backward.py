@@ -1,0 +1,139 @@
+"""PyTorch's FlashAttention-2 varlen backward (`aten._flash_attention_backward`)
+as the CUDA backward of the op. It ships in every CUDA wheel of torch (SM80+).
+
+Contract of the aten kernel (torch 2.11 and 2.13, read from
+``torch/nn/attention/varlen.py`` and probed on the H200; see shared/NOTES.md):
+
+* ``logsumexp`` is fp32 ``[Hq, Tq]``, natural log, softmax scale included;
+  rows that see no key must hold ``+inf`` (their probabilities are then 0).
+  FlashInfer's forward gives ``[Tq, Hq]`` in base 2 with ``-inf`` for those
+  rows: :func:`lse_from_flashinfer` converts.
+* Offsets int32 and contiguous; GQA native (query head ``h`` uses k/v head
+  ``h // (Hq // Hkv)``, dk/dv come back with ``Hkv`` heads); causal is
+  bottom-right aligned for ``Lq != Lk``, as ours, on the original offsets.
+* Head dims must be multiples of 8 up to 256: inputs are zero-padded to the
+  next multiple of 8 (zero columns change no score and no output), with the
+  true dim's scale.
+* ``max_k == 0`` fails with "CUDA error: invalid argument" and ``n == 0`` is
+  rejected: both (and ``max_q == 0``) have all-zero gradients, given here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["available", "unsupported_reason", "lse_from_flashinfer", "backward"]
+
+MAX_HEAD_DIM = 256
+DTYPES = (torch.float16, torch.bfloat16)
+_LN2 = math.log(2.0)
+
+
+@functools.cache
+def _flash_built() -> bool:
+    try:
+        return bool(torch.backends.cuda.is_flash_attention_available())
+    except Exception:  # a CPU build, or an older torch without the query
+        return False
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the fused backward cannot take this call (the reference backward will), or None."""
+    if device.type != "cuda":
+        return f"the fused backward is CUDA-only, got {device.type}"
+    if dtype not in DTYPES:
+        return f"the fused backward takes float16/bfloat16, got {dtype} (train in bfloat16)"
+    if head_dim > MAX_HEAD_DIM:
+        return f"the fused backward takes head_dim <= {MAX_HEAD_DIM}, got {head_dim}"
+    if not _flash_built():
+        return "this torch build has no FlashAttention kernels"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = _capability(index)
+    if major < 8:
+        return f"FlashAttention-2 needs SM80 or newer, this GPU is SM{major}{minor}"
+    return None
+
+
+def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    return unsupported_reason(device, dtype, head_dim) is None
+
+
+def lse_from_flashinfer(lse: torch.Tensor) -> torch.Tensor:
+    """FlashInfer's ``[Tq, Hq]`` base-2 LSE -> aten's ``[Hq, Tq]`` natural-log LSE.
+
+    Keyless rows: FlashInfer's ``-inf`` becomes ``+inf``, which makes their
+    probabilities ``exp(s - lse) = 0`` in the backward (``-inf`` would make
+    ``exp(-inf + inf)`` NaN for the masked scores of a causal blind row).
+    """
+    out = (lse.float() * _LN2).t().contiguous()
+    return out.masked_fill_(out == -math.inf, math.inf)
+
+
+def _pad8(x: torch.Tensor, dp: int) -> torch.Tensor:
+    if x.shape[-1] != dp:
+        return F.pad(x, (0, dp - x.shape[-1]))
+    if x.stride(-1) != 1:
+        return x.contiguous()
+    return x
+
+
+def backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) for ``out = ragged_attention(q, k, v, cu_q, cu_k, causal, scale)``.
+
+    ``lse``: aten layout ``[Hq, Tq]`` (see :func:`lse_from_flashinfer`);
+    ``max_q``/``max_k``: host ints, the longest q and k segment (no sync here).
+    """
+    n = cu_q.numel() - 1
+    if n == 0 or max_q == 0 or max_k == 0 or q.shape[0] == 0 or k.shape[0] == 0:
+        # Nothing attends to anything: all gradients are zero (and the kernel
+        # rejects n == 0 and fails on max_k == 0).
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    d = q.shape[-1]
+    dp = -(-d // 8) * 8
+    dq, dk, dv = _kernel(
+        _pad8(grad_out.to(q.dtype), dp),
+        _pad8(q, dp),
+        _pad8(k, dp),
+        _pad8(v, dp),
+        _pad8(out, dp),
+        lse.contiguous(),
+        cu_q.to(torch.int32).contiguous(),
+        cu_k.to(torch.int32).contiguous(),
+        max_q,
+        max_k,
+        0.0,
+        causal,
+        torch.zeros(2, dtype=torch.uint64, device=q.device),  # no dropout: rng state unused
+        torch.empty(0, device=q.device),
+        scale=scale,
+    )
+    if dp != d:
+        dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., :d]
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+def _kernel(*args, **kwargs):
+    # One seam for the aten kernel: CPU tests put a reference of its contract here.
+    return torch.ops.aten._flash_attention_backward(*args, **kwargs)

@@ -1,0 +1,233 @@
+"""Training on the GPU: the op's forward with its log-sum-exp, and a fused backward.
+
+``ragged_compile::ragged_attention`` (ops.py) is the inference op: FlashInfer
+forward, no LSE, and the reference kernel as its backward. When a CUDA call
+needs gradients, :func:`attention` routes it to the pair of ops defined here:
+
+* ``ragged_compile::ragged_attention_lse(q, k, v, cu_q, cu_k, causal, scale)
+  -> (out, lse, max_lens)``: FlashInfer's forward, which also returns the LSE
+  (fp32 ``[Hq, Tq]``, natural log, ``+inf`` for rows that see no key: the
+  layout of ``aten._flash_attention_forward``), and ``max_lens``, a CPU int64
+  tensor ``[max_q, max_k]`` read from the runtime's host layout, so that the
+  backward needs no device-to-host sync.
+* ``ragged_compile::ragged_attention_lse_backward(...) -> (dq, dk, dv)``:
+  PyTorch's FlashAttention-2 varlen backward (backends/flash_backward.py) on
+  CUDA, the reference kernel's exact gradients elsewhere.
+
+Both have CPU kernels (the reference kernel, an exact LSE) so that schemas, fake
+kernels and autograd are checked by ``torch.library.opcheck`` anywhere.
+This mirrors ``torch/nn/attention/varlen.py`` (forward op returning auxiliary
+outputs, a backward custom op with a fake kernel, ``register_autograd``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from .backends import flash_backward
+from .reference import reference_attention, reference_attention_backward
+from .runtime import get_runtime
+from .validation import check_cu_seqlens_values, check_inputs
+
+__all__ = ["attention", "training_unsupported_reason", "reference_lse"]
+
+log = logging.getLogger("ragged_compile")
+
+# The kernels look plans and host layouts up at every call (see ops.py).
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch._dynamo.assume_constant_result
+def _reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    from .backends import flashinfer as fi
+
+    if not fi.supports(dtype, head_dim):
+        return f"FlashInfer takes fp16/bf16 with head_dim <= 256 (and must be importable), got {dtype}, head_dim {head_dim}"
+    return flash_backward.unsupported_reason(device, dtype, head_dim)
+
+
+def training_unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim) -> str | None:
+    """Why a grad-requiring CUDA call cannot train on FlashInfer + FlashAttention-2, or None."""
+    if device.type != "cuda":
+        return "training kernels are CUDA-only"
+    if not isinstance(head_dim, int):
+        return "head dim is symbolic"
+    return _reason(device, dtype, head_dim)
+
+
+_warned: set[str] = set()
+
+
+@torch._dynamo.assume_constant_result
+def _warn_once(reason: str) -> bool:
+    if reason not in _warned:
+        _warned.add(reason)
+        log.warning(
+            "ragged_compile: a CUDA call needs gradients but %s: it runs the (slow, exact) "
+            "reference kernel instead", reason,
+        )
+    return True
+
+
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float) -> torch.Tensor:
+    """The op a call should run: the training pair when a CUDA call needs
+    gradients and the fused kernels take it, else ``ragged_attention``.
+
+    Inference (no grad mode, or nothing requires grad) never pays for the LSE.
+    """
+    if (
+        q.device.type == "cuda"
+        and torch.is_grad_enabled()
+        and (q.requires_grad or k.requires_grad or v.requires_grad)
+    ):
+        reason = training_unsupported_reason(q.device, q.dtype, q.shape[-1])
+        if reason is None:
+            out, _, _ = torch.ops.ragged_compile.ragged_attention_lse(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale
+            )
+            return out
+        _warn_once(reason)
+    return torch.ops.ragged_compile.ragged_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+
+
+def reference_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float) -> torch.Tensor:
+    """Exact LSE of the scaled scores, ``[Hq, Tq]`` fp32, natural log, ``+inf`` for
+    rows that see no key (aten's convention). Host offsets; one segment at a time."""
+    Tq, Hq, _ = q.shape
+    group = Hq // k.shape[1]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.full((Hq, Tq), math.inf, dtype=acc, device=q.device)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(cq) - 1):
+        lq, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+        if lq == 0 or lk == 0:
+            continue
+        qs = q[cq[i] : cq[i + 1]].to(acc)
+        ks = k[ck[i] : ck[i + 1]].to(acc).repeat_interleave(group, dim=1)
+        s = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        if causal:
+            rows = torch.arange(lq, device=q.device)[:, None]
+            cols = torch.arange(lk, device=q.device)[None, :]
+            s = s.masked_fill(cols > rows + (lk - lq), -math.inf)
+        seg = torch.logsumexp(s, dim=-1)
+        lse[:, cq[i] : cq[i + 1]] = seg.masked_fill(seg == -math.inf, math.inf)
+    return lse.float()
+
+
+def _max_lens(cu_q: torch.Tensor, cu_k: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(
+        [int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0 for cu in (cu_q.cpu(), cu_k.cpu())],
+        dtype=torch.int64,
+    )
+
+
+@torch.library.custom_op("ragged_compile::ragged_attention_lse", mutates_args=(), tags=_TAGS)
+def _attention_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Devices without a kernel of their own: the reference kernel, an exact LSE.
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    check_cu_seqlens_values(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    check_cu_seqlens_values(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    out = reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    lse = reference_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    return out, lse, _max_lens(cu_seqlens_q, cu_seqlens_k)
+
+
+@_attention_lse.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
+    torch._check(q.dim() == 3, lambda: f"q must be [Tq, Hq, D], got {q.dim()}-D")
+    torch._check(k.dim() == 3 and v.dim() == 3, lambda: "k and v must be [Tk, Hkv, D]")
+    torch._check(
+        k.shape[0] == v.shape[0] and k.shape[1] == v.shape[1],
+        lambda: f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in tokens and heads",
+    )
+    torch._check(
+        k.shape[2] == q.shape[2] and v.shape[2] == q.shape[2],
+        lambda: f"q, k, v head_dim differ: {q.shape[2]}, {k.shape[2]}, {v.shape[2]}",
+    )
+    torch._check(
+        q.shape[1] % k.shape[1] == 0,
+        lambda: f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})",
+    )
+    torch._check(
+        cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape[0] == cu_seqlens_k.shape[0],
+        lambda: "cu_seqlens_q and cu_seqlens_k must be 1-D [n + 1] with the same n",
+    )
+    torch._check(q.dtype == k.dtype == v.dtype, lambda: f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return out, lse, torch.empty(2, dtype=torch.int64, device="cpu")
+
+
+@_attention_lse.register_kernel("cuda")
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    out, lse, max_lens = get_runtime(q.device).attention_with_lse(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale
+    )
+    return out, lse, torch.tensor(max_lens, dtype=torch.int64)
+
+
+@torch.library.custom_op("ragged_compile::ragged_attention_lse_backward", mutates_args=(), tags=_TAGS)
+def _attention_lse_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_lens: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return reference_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+
+
+@_attention_lse_backward.register_fake
+def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens, causal, scale):
+    torch._check(grad_out.shape == q.shape, lambda: f"grad_out {tuple(grad_out.shape)} must match q {tuple(q.shape)}")
+    torch._check(
+        lse.dim() == 2 and lse.shape[0] == q.shape[1] and lse.shape[1] == q.shape[0],
+        lambda: f"lse must be [Hq, Tq] = {(q.shape[1], q.shape[0])}, got {tuple(lse.shape)}",
+    )
+    torch._check(max_lens.numel() == 2, lambda: "max_lens must hold [max_q, max_k]")
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@_attention_lse_backward.register_kernel("cuda")
+def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens, causal, scale):
+    max_q, max_k = max_lens.tolist()  # a CPU tensor: no sync
+    return flash_backward.backward(
+        grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale = inputs
+    out, lse, max_lens = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens)
+    ctx.causal, ctx.scale = causal, scale
+    ctx.mark_non_differentiable(lse, max_lens)
+
+
+def _backward(ctx, grad_out, _grad_lse, _grad_max_lens):
+    q, k, v, out, lse, cu_q, cu_k, max_lens = ctx.saved_tensors
+    dq, dk, dv = torch.ops.ragged_compile.ragged_attention_lse_backward(
+        grad_out, q, k, v, out, lse, cu_q, cu_k, max_lens, ctx.causal, ctx.scale
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+_attention_lse.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,324 @@
+"""Training on the GPU: FlashInfer forward with LSE + FlashAttention-2 backward.
+
+Against float64 autograd through a dense per-segment reference, and aten's own
+forward LSE. fa3 cases need SM90 and use bf16 head dims 64/128 only (kernels
+JIT-compile for ~72 s each); bench/gpu_train.sh warms what these need.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+import ragged_compile as rc
+from ragged_compile import train_ops
+from ragged_compile.backends import flash_backward
+from ragged_compile.reference import dense_attention
+from ragged_compile.runtime import Runtime
+from _njt_models import SelfAttentionLayer
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _backends():
+    out = ["fa2"]
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        out.append("fa3")
+    return out
+
+
+def _cu(lens):
+    return torch.tensor([0] + list(lens)).cumsum(0).to("cuda", torch.int32)
+
+
+def _case(lq, lk, hq, hkv, d, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (
+        torch.randn(n, h, d, device="cuda", generator=g).to(dtype).requires_grad_()
+        for n, h in ((sum(lq), hq), (sum(lk), hkv), (sum(lk), hkv))
+    )
+    return q, k, v, _cu(lq), _cu(lk)
+
+
+LAYOUTS = {
+    "self": ([300, 1, 0, 77, 1024], None),
+    "cross": ([5, 0, 130, 64, 1], [0, 7, 40, 300, 9]),  # empty q and k, Lq > Lk and Lq < Lk
+    "all_k_empty": ([3, 8], [0, 0]),
+    "one_token": ([1] * 64, None),
+}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if b.numel() == 0:
+        return 0.0
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _float64_grads(q, k, v, cq, ck, causal, scale, g):
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = dense_attention(q64, k64, v64, cq, ck, causal, scale, dtype=torch.float64)
+    (out * g.double().cpu()).sum().backward()  # dense_attention computes on the CPU
+    return out.detach(), (q64.grad, k64.grad, v64.grad)
+
+
+def _assert_close_grads(got, want, dtype, what):
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert a.shape == b.shape and a.dtype == dtype, (name, a.shape, b.shape)
+        assert bool(torch.isfinite(a).all()), f"{name} not finite: {what}"
+        r = _rel(a, b)
+        assert r < tol, f"{name} relative error {r:.3g} >= {tol}: {what}"
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 8, 64), (8, 2, 72), (4, 1, 128)])
+def test_gradients_match_float64_autograd(backend, layout, causal, hq, hkv, d):
+    if backend == "fa3" and d not in (64, 128):
+        pytest.skip("fa3 cases stay on the warmed head dims")
+    lq, lk = LAYOUTS[layout]
+    lk = lq if lk is None else lk
+    q, k, v, cq, ck = _case(lq, lk, hq, hkv, d)
+    g = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    scale = d**-0.5
+    with Runtime(backend=backend).step():
+        out = rc.ragged_attention(q, k, v, cq, ck, causal=causal)
+    out.backward(g)
+    want_out, want = _float64_grads(q, k, v, cq, ck, causal, scale, g)
+    assert _rel(out.detach(), want_out) < 2e-2
+    _assert_close_grads([t.grad for t in (q, k, v)], want, q.dtype, f"{backend} {layout} causal={causal}")
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 72, 128])
+def test_lse_matches_aten_forward(backend, causal, d):
+    if backend == "fa3" and d == 72:
+        pytest.skip("fa3 cases stay on the warmed head dims")
+    lq, lk = [5, 0, 130, 64, 1, 33], [1, 7, 40, 300, 9, 33]  # no empty k: aten needs max_k > 0
+    q, k, v, cq, ck = _case(lq, lk, 8, 2, d)
+    with torch.no_grad(), Runtime(backend=backend).step():
+        out, lse, max_lens = torch.ops.ragged_compile.ragged_attention_lse(q, k, v, cq, ck, causal, 0.3)
+    assert max_lens.device.type == "cpu" and max_lens.tolist() == [max(lq), max(lk)]
+    rep = 4  # aten's forward has no GQA on every version: expand k/v
+    ref_out, ref_lse, *_ = torch.ops.aten._flash_attention_forward(
+        q.detach(), k.detach().repeat_interleave(rep, 1), v.detach().repeat_interleave(rep, 1),
+        cq, ck, max(lq), max(lk), 0.0, causal, False, scale=0.3,
+    )
+    assert lse.shape == ref_lse.shape == (8, sum(lq)) and lse.dtype == torch.float32
+    keyless = torch.isinf(ref_lse)
+    assert bool(keyless.any()) == (causal and any(a > b for a, b in zip(lq, lk)))
+    assert torch.equal(torch.isinf(lse), keyless) and bool((lse[keyless] > 0).all())
+    torch.testing.assert_close(lse[~keyless], ref_lse[~keyless], atol=5e-3, rtol=0)
+    torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+
+
+def test_public_function_trains_on_fused_kernels_without_warning(monkeypatch, caplog):
+    calls = []
+    real = flash_backward._kernel
+    monkeypatch.setattr(flash_backward, "_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, cq, ck = _case([40, 3, 0, 17], [40, 3, 0, 17], 8, 2, 64)
+    rt = Runtime()
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"), rt.step():
+        out = rc.ragged_attention(q, k, v, cq, causal=True)
+    out.sum().backward()
+    assert calls == [1] and rt.stats["flashinfer"] == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_inference_pays_no_lse(monkeypatch):
+    def boom(*a, **kw):
+        raise AssertionError("inference must not run the training forward")
+
+    monkeypatch.setattr(Runtime, "attention_with_lse", boom)
+    q, k, v, cq, ck = _case([40, 3], [40, 3], 4, 4, 64)
+    with torch.no_grad():
+        rc.ragged_attention(q, k, v, cq)
+    rc.ragged_attention(q.detach(), k.detach(), v.detach(), cq)
+
+
+def test_fp32_trains_on_the_reference_with_one_warning(caplog):
+    q, k, v, cq, ck = _case([9, 0, 4], [9, 0, 4], 4, 2, 32, dtype=torch.float32)
+    train_ops._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"):
+        for _ in range(2):
+            rc.ragged_attention(q, k, v, cq, causal=True).sum().backward()
+    warns = [r for r in caplog.records if r.levelno >= logging.WARNING and "reference kernel" in r.getMessage()]
+    assert len(warns) == 1, [r.getMessage() for r in caplog.records]
+    _, want = _float64_grads(q, k, v, cq, ck, True, 32**-0.5, torch.ones(q.shape, device="cuda"))
+    for t, w in zip((q, k, v), want):
+        torch.testing.assert_close(t.grad.double() / 2, w.to(t.device), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("where", ["q", "k", "v", "grad_out"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_in_one_segment_stays_there(backend, where, bad):
+    """A NaN/Inf in one segment's q, k, v or output gradient changes no other
+    segment's gradients (nor forward outputs)."""
+    lens = [37, 64, 5, 120]
+    q, k, v, cq, ck = _case(lens, lens, 8, 2, 64)
+    g = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+
+    def run(poison):
+        xs = {"q": q.detach().clone(), "k": k.detach().clone(), "v": v.detach().clone(), "grad_out": g.clone()}
+        if poison:
+            xs[where][cq[1] + 3 if where in ("q", "grad_out") else ck[1] + 3] = bad  # segment 1
+        leaves = [xs[n].requires_grad_() for n in ("q", "k", "v")]
+        with Runtime(backend=backend).step():
+            out = rc.ragged_attention(*leaves, cq, causal=False)
+        out.backward(xs["grad_out"])
+        return out.detach(), [t.grad for t in leaves]
+
+    clean_out, clean = run(False)
+    out, grads = run(True)
+    other = torch.ones(sum(lens), dtype=torch.bool, device="cuda")
+    other[cq[1] : cq[2]] = False  # self layout: q rows and k rows coincide
+    assert torch.equal(out[other], clean_out[other])
+    for name, a, b in zip(("dq", "dk", "dv"), grads, clean):
+        assert torch.equal(a[other], b[other]), f"{name} of other segments changed"
+
+
+def test_empty_batches_give_zero_gradients():
+    for lq, lk in (([], []), ([3, 2], [0, 0]), ([0, 0], [4, 1])):
+        q, k, v, cq, ck = _case(lq, lk, 4, 2, 64)
+        out = rc.ragged_attention(q, k, v, cq, ck, causal=True)
+        out.sum().backward()
+        for t in (q, k, v):
+            assert t.grad.shape == t.shape and not t.grad.any()
+
+
+# -- NJT models through ragged_compile.compile --------------------------------
+
+
+def _encoder(E=256, H=4, checkpoint=False):
+    torch.manual_seed(0)
+    layers = [
+        SelfAttentionLayer(E, H, causal=True),
+        SelfAttentionLayer(E, H, kv_heads=H // 2, causal=True),  # GQA: stock NJT SDPA cannot
+        SelfAttentionLayer(E, H),
+    ]
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(layers)
+
+        def forward(self, x):
+            for layer in self.layers:
+                if checkpoint:
+                    x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+                else:
+                    x = layer(x)
+            return x
+
+    return Encoder()
+
+
+def _dense_grads(model, xs, weights):
+    """Per-sequence dense forward (stock SDPA on [1, L, E]) in float32; parameter grads."""
+    ref = _encoder().float().cuda()
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    loss = sum((ref(x.float().unsqueeze(0))[0] * w.float()).sum() for x, w in zip(xs, weights))
+    loss.backward()
+    return {n: p.grad for n, p in ref.named_parameters()}
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_compiled_njt_encoder_trains_on_our_op(monkeypatch, caplog, checkpoint):
+    """Forward and backward on our op (GQA and causal included), gradients equal to
+    dense per-sequence autograd, new layouts on the same graph, one plan and one
+    sync per step also when checkpointing recomputes attention in the backward."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    calls = []
+    real = flash_backward._kernel
+    monkeypatch.setattr(flash_backward, "_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    model = _encoder(checkpoint=checkpoint).cuda().to(torch.bfloat16)
+    compiled = rc.compile(model)
+    rt = rc.runtime.get_runtime(torch.device("cuda", torch.cuda.current_device()))
+    layouts = [[64, 1, 300, 17], [5, 200, 33], [128, 128, 7, 1, 90], [1, 2, 3, 400]]
+    graphs_after = []
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"):
+        for i, lens in enumerate(layouts):
+            g = torch.Generator(device="cuda").manual_seed(i)
+            xs = [torch.randn(n, 256, device="cuda", generator=g).to(torch.bfloat16) for n in lens]
+            ws = [torch.randn(n, 256, device="cuda", generator=g).to(torch.bfloat16) for n in lens]
+            x = torch.nested.nested_tensor(xs, layout=torch.jagged)
+            w = torch.nested.nested_tensor(ws, layout=torch.jagged)
+            model.zero_grad(set_to_none=True)
+            before = dict(rt.stats)
+            n_calls = len(calls)
+            (compiled(x).values() * w.values()).float().sum().backward()
+            torch.cuda.synchronize()
+            assert len(calls) - n_calls == 3, "each layer's backward runs the fused kernel"
+            # one layout, three configs (causal 4/4, causal 4/2, 4/4): three plans, one read
+            assert rt.stats["plans"] - before.get("plans", 0) == 3
+            assert rt.stats["syncs"] - before.get("syncs", 0) <= 1
+            want = _dense_grads(model, xs, ws)
+            for n, p in model.named_parameters():
+                r = _rel(p.grad.float(), want[n].double())
+                assert r < 5e-2, f"{n}: relative error {r:.3g} on layout {lens}"
+            graphs_after.append(counters["stats"]["unique_graphs"])
+    assert graphs_after[-1] == graphs_after[1], f"new layouts compiled new graphs: {graphs_after}"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+
+
+def test_compiled_varlen_attn_trains_on_our_forward():
+    """varlen_attn under ragged_compile.enable(): the training forward graph runs our
+    LSE op (the pass stands in for aten's out/LSE/rng state), the stock FA2 backward
+    consumes our LSE, and the gradients are float64 autograd's."""
+    pytest.importorskip("torch.nn.attention.varlen")
+    from torch._inductor.utils import run_and_get_code
+    from torch.nn.attention.varlen import varlen_attn
+
+    lens = [37, 1, 200, 64]
+    q, k, v, cq, _ = _case(lens, lens, 8, 8, 64)
+    g = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    m = max(lens)
+
+    def f(q, k, v):
+        return varlen_attn(q, k, v, cq, cq, m, m, window_size=(-1, 0))
+
+    torch._dynamo.reset()
+    with rc.enable(), torch._inductor.config.patch(force_disable_caches=True):
+        out, codes = run_and_get_code(torch.compile(f, fullgraph=True), q, k, v)
+        out.backward(g)
+    assert "ragged_attention_lse" in "\n".join(codes)
+    _, want = _float64_grads(q, k, v, cq, cq, True, 64**-0.5, g)
+    _assert_close_grads([t.grad for t in (q, k, v)], want, q.dtype, "varlen_attn compiled")
+
+
+def test_eager_njt_sdpa_with_gqa_trains_on_our_op(monkeypatch, caplog):
+    """Eager NJT SDPA under enable(): GQA (which stock NJT SDPA rejects) trains on
+    our forward and the fused backward, with the dense per-sequence gradients."""
+    calls = []
+    real = flash_backward._kernel
+    monkeypatch.setattr(flash_backward, "_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    torch.manual_seed(0)
+    layer = SelfAttentionLayer(256, 8, kv_heads=2, causal=True).cuda().to(torch.bfloat16)
+    lens = [33, 1, 250, 7]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    xs = [torch.randn(n, 256, device="cuda", generator=g).to(torch.bfloat16) for n in lens]
+    ws = [torch.randn(n, 256, device="cuda", generator=g).to(torch.bfloat16) for n in lens]
+    x = torch.nested.nested_tensor(xs, layout=torch.jagged)
+    w = torch.nested.nested_tensor(ws, layout=torch.jagged)
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"), rc.enable():
+        (layer(x).values() * w.values()).float().sum().backward()
+    assert calls == [1]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    ref = SelfAttentionLayer(256, 8, kv_heads=2, causal=True).cuda()
+    ref.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+    sum((ref(a.float().unsqueeze(0))[0] * b.float()).sum() for a, b in zip(xs, ws)).backward()
+    for (n, p), (_, r) in zip(layer.named_parameters(), ref.named_parameters()):
+        assert _rel(p.grad.float(), r.grad) < 5e-2, n

@@ -1,0 +1,273 @@
+"""The training ops (train_ops.py) and the fused-backward wrapper, on CPU.
+
+The CUDA kernels themselves run in tests/test_train_cuda.py. Here: schemas, fake
+kernels and autograd through ``opcheck``; the exact LSE; and the wrapper around
+``aten._flash_attention_backward`` (padding, LSE conversion, special cases)
+against a float64 reference of that kernel's contract.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ragged_compile import train_ops
+from ragged_compile.backends import flash_backward
+from ragged_compile.reference import dense_attention
+
+
+def _inputs(lq, lk, hq=4, hkv=2, d=8, dtype=torch.float32, seed=0, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lq), hq, d, generator=g, dtype=dtype, requires_grad=grad)
+    k = torch.randn(sum(lk), hkv, d, generator=g, dtype=dtype, requires_grad=grad)
+    v = torch.randn(sum(lk), hkv, d, generator=g, dtype=dtype, requires_grad=grad)
+    cq = torch.tensor([0] + lq).cumsum(0).int()
+    ck = torch.tensor([0] + lk).cumsum(0).int()
+    return q, k, v, cq, ck
+
+
+LAYOUTS = [
+    ([3, 0, 1, 5], [2, 4, 0, 6]),  # empty q and k segments, Lq > Lk and Lq < Lk
+    ([4, 1, 7], [4, 1, 7]),  # self, one-token segment
+    ([5], [0]),  # all-empty k
+]
+
+
+@pytest.mark.parametrize("lq,lk", LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_opcheck_forward_with_lse(lq, lk, causal):
+    q, k, v, cq, ck = _inputs(lq, lk)
+    torch.library.opcheck(torch.ops.ragged_compile.ragged_attention_lse.default, (q, k, v, cq, ck, causal, 0.3))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_opcheck_backward_op(causal):
+    q, k, v, cq, ck = _inputs([3, 0, 4], [2, 5, 1], grad=False)
+    out, lse, max_lens = torch.ops.ragged_compile.ragged_attention_lse(q, k, v, cq, ck, causal, 0.3)
+    g = torch.randn(q.shape)
+    torch.library.opcheck(
+        torch.ops.ragged_compile.ragged_attention_lse_backward.default,
+        (g, q, k, v, out, lse, cq, ck, max_lens, causal, 0.3),
+    )
+
+
+def test_max_lens_are_host_values():
+    q, k, v, cq, ck = _inputs([3, 0, 9, 1], [2, 5, 1, 0], grad=False)
+    _, _, max_lens = torch.ops.ragged_compile.ragged_attention_lse(q, k, v, cq, ck, False, 0.3)
+    assert max_lens.device.type == "cpu" and max_lens.tolist() == [9, 5]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_is_the_softmax_normaliser(causal):
+    """exp(s - lse) sums to 1 over the keys a row sees; keyless rows hold +inf."""
+    lq, lk = [3, 0, 4, 2], [2, 5, 0, 6]
+    q, k, v, cq, ck = _inputs(lq, lk, dtype=torch.float64, grad=False)
+    scale = 0.37
+    lse = train_ops.reference_lse(q, k, cq, ck, causal, scale)
+    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+    for i in range(len(lq)):
+        Lq, Lk = lq[i], lk[i]
+        qs, ks = q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]].repeat_interleave(2, dim=1)
+        s = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        for r in range(Lq):
+            seen = Lk if not causal else max(0, min(Lk, r + Lk - Lq + 1))
+            row = lse[:, cq[i] + r].double()
+            if seen == 0:
+                assert torch.isinf(row).all() and (row > 0).all()
+            else:
+                total = torch.exp(s[:, r, :seen] - row[:, None]).sum(-1)
+                torch.testing.assert_close(total, torch.ones_like(total), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_match_float64_dense_autograd(causal):
+    lq, lk = [4, 0, 1, 7], [4, 3, 0, 9]
+    q, k, v, cq, ck = _inputs(lq, lk, dtype=torch.float32)
+    w = torch.randn(q.shape)
+    out, _, _ = torch.ops.ragged_compile.ragged_attention_lse(q, k, v, cq, ck, causal, 0.3)
+    (out * w).sum().backward()
+    ours = [t.grad.clone() for t in (q, k, v)]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    (dense_attention(q64, k64, v64, cq, ck, causal, 0.3, dtype=torch.float64) * w.double()).sum().backward()
+    for a, b in zip(ours, (q64.grad, k64.grad, v64.grad)):
+        torch.testing.assert_close(a, b.float(), atol=1e-5, rtol=1e-4)
+
+
+# -- the wrapper around aten._flash_attention_backward -------------------------
+
+
+def _fa2_contract(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal,
+                  rng_state, unused, *, scale=None):
+    """What the aten kernel computes, in float64, from the LSE it is given (it
+    does not recompute it), after checking the inputs it insists on."""
+    assert q.shape[-1] % 8 == 0 and q.shape[-1] <= 256, q.shape
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.is_contiguous() and cu_k.is_contiguous()
+    assert cu_q.numel() > 1 and max_q > 0 and max_k > 0, "the kernel rejects n == 0 and fails on max_k == 0"
+    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+    assert dropout_p == 0.0 and rng_state.dtype == torch.uint64
+    group = q.shape[1] // k.shape[1]
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v))
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    assert max_q == max(b - a for a, b in zip(cq, cq[1:])) and max_k == max(b - a for a, b in zip(ck, ck[1:]))
+    for i in range(len(cq) - 1):
+        qa, qb, ka, kb = cq[i], cq[i + 1], ck[i], ck[i + 1]
+        if qa == qb or ka == kb:
+            continue
+        qs, go, o = (t[qa:qb].double() for t in (q, grad_out, out))
+        ks = k[ka:kb].double().repeat_interleave(group, 1)
+        vs = v[ka:kb].double().repeat_interleave(group, 1)
+        s = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        if is_causal:
+            lq, lk = qb - qa, kb - ka
+            rows, cols = torch.arange(lq)[:, None], torch.arange(lk)[None, :]
+            s = s.masked_fill(cols > rows + lk - lq, -math.inf)
+        p = torch.exp(s - lse[:, qa:qb].double()[..., None])
+        dpv = torch.einsum("qhd,khd->hqk", go, vs)
+        delta = (go * o).sum(-1).t()[..., None]
+        ds = p * (dpv - delta) * scale
+        dq[qa:qb] = torch.einsum("hqk,khd->qhd", ds, ks)
+        dk[ka:kb] = torch.einsum("hqk,qhd->khd", ds, qs).unflatten(1, (-1, group)).sum(2)
+        dv[ka:kb] = torch.einsum("hqk,qhd->khd", p, go).unflatten(1, (-1, group)).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@pytest.mark.parametrize("d", [8, 20, 72, 96])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lq,lk", [([3, 0, 1, 5], [2, 4, 0, 6]), ([6, 2], [6, 2])])
+def test_flash_backward_wrapper_matches_dense_autograd(monkeypatch, d, causal, lq, lk):
+    """Padding to a multiple of 8, the FlashInfer LSE conversion (keyless rows
+    included) and the offsets handed over give dense float64 autograd's gradients."""
+    monkeypatch.setattr(flash_backward, "_kernel", _fa2_contract)
+    q, k, v, cq, ck = _inputs(lq, lk, d=d, dtype=torch.float64)
+    cq, ck = cq.long(), ck.long()  # NJT offsets are int64: the wrapper converts
+    scale = d**-0.5
+    out = dense_attention(q, k, v, cq, ck, causal, scale, dtype=torch.float64)
+    g = torch.randn(out.shape, dtype=torch.float64)
+    (out * g).sum().backward()
+    # FlashInfer's LSE: [Tq, Hq], base 2, -inf for keyless rows.
+    lse_ln = train_ops.reference_lse(q.detach(), k.detach(), cq, ck, causal, scale)
+    fi_lse = (lse_ln / math.log(2.0)).t().contiguous()
+    fi_lse[torch.isinf(fi_lse)] = -math.inf
+    lse = flash_backward.lse_from_flashinfer(fi_lse)
+    torch.testing.assert_close(lse, lse_ln)
+    max_q, max_k = max(lq), max(lk)
+    got = flash_backward.backward(
+        g, q.detach(), k.detach(), v.detach(), out.detach(), lse, cq, ck, max_q, max_k, causal, scale
+    )
+    for a, t in zip(got, (q, k, v)):
+        assert a.shape == t.shape
+        torch.testing.assert_close(a, t.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lq,lk", [([], []), ([3, 2], [0, 0]), ([0, 0], [4, 1])])
+def test_flash_backward_zero_gradients_without_calling_the_kernel(monkeypatch, lq, lk):
+    def boom(*a, **kw):
+        raise AssertionError("the kernel rejects n == 0 and fails on max_q/max_k == 0")
+
+    monkeypatch.setattr(flash_backward, "_kernel", boom)
+    q, k, v, cq, ck = _inputs(lq, lk, grad=False)
+    lse = torch.full((q.shape[1], q.shape[0]), math.inf)
+    got = flash_backward.backward(
+        torch.randn(q.shape), q, k, v, torch.zeros_like(q), lse, cq, ck,
+        max(lq, default=0), max(lk, default=0), True, 0.3,
+    )
+    for a, t in zip(got, (q, k, v)):
+        assert a.shape == t.shape and not a.any()
+
+
+def test_unsupported_reasons_name_the_limit():
+    cpu = torch.device("cpu")
+    assert "CUDA" in flash_backward.unsupported_reason(cpu, torch.bfloat16, 64)
+    cuda = torch.device("cuda", 0)
+    assert "float32" in flash_backward.unsupported_reason(cuda, torch.float32, 64)
+    assert "256" in flash_backward.unsupported_reason(cuda, torch.bfloat16, 320)
+    assert "symbolic" in train_ops.training_unsupported_reason(cuda, torch.bfloat16, object())
+
+
+def test_cpu_calls_with_grad_keep_the_inference_op():
+    """The training pair is for CUDA: a CPU call keeps ragged_attention (and its
+    reference backward), whose graph holds no LSE op."""
+    import ragged_compile as rc
+
+    q, k, v, cq, ck = _inputs([3, 2], [3, 2])
+    gm = torch.fx.experimental.proxy_tensor.make_fx(
+        lambda q, k, v: rc.ragged_attention(q, k, v, cq, ck)
+    )(q, k, v)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert "ragged_compile.ragged_attention.default" in targets
+    assert not any("lse" in t for t in targets)
+
+
+# -- the varlen passes on training graphs --------------------------------------
+
+
+def _flash_forward_graph(used_outputs, hq=4, hkv=2, d=64):
+    """A post-grad forward graph holding aten._flash_attention_forward on fake CUDA
+    tensors, returning the outputs a training graph saves for the stock backward."""
+    import operator
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    g = torch.fx.Graph()
+    with mode:
+        vals = {
+            "q": torch.empty(10, hq, d, device="cuda", dtype=torch.bfloat16),
+            "k": torch.empty(10, hkv, d, device="cuda", dtype=torch.bfloat16),
+            "v": torch.empty(10, hkv, d, device="cuda", dtype=torch.bfloat16),
+            "cu": torch.empty(3, device="cuda", dtype=torch.int32),
+        }
+    nodes = {}
+    for name, val in vals.items():
+        nodes[name] = g.placeholder(name)
+        nodes[name].meta["val"] = val
+    args = (nodes["q"], nodes["k"], nodes["v"], nodes["cu"], nodes["cu"], 8, 8, 0.0, True, False)
+    fa = g.call_function(torch.ops.aten._flash_attention_forward.default, args, {"scale": 0.3})
+    with mode:
+        fa.meta["val"] = torch.ops.aten._flash_attention_forward(
+            vals["q"], vals["k"], vals["v"], vals["cu"], vals["cu"], 8, 8, 0.0, True, False, scale=0.3
+        )
+    outs = []
+    for i in used_outputs:
+        item = g.call_function(operator.getitem, (fa, i))
+        item.meta["val"] = fa.meta["val"][i]
+        outs.append(item)
+    g.output(tuple(outs))
+    return g
+
+
+def test_flash_pass_rewrites_training_forward_to_the_lse_op():
+    from ragged_compile.backends import flashinfer as fi
+    from ragged_compile.passes import FlashVarlenPass
+
+    if not fi.available():
+        pytest.skip("flashinfer is not importable")
+    g = _flash_forward_graph((0, 1, 2, 3))
+    FlashVarlenPass()(g)
+    targets = [n.target for n in g.nodes if n.op == "call_function"]
+    assert torch.ops.aten._flash_attention_forward.default not in targets
+    assert torch.ops.ragged_compile.ragged_attention_lse.default in targets
+    out, lse, rng, unused = g.output_node().args[0]
+    for node, i in ((out, 0), (lse, 1)):
+        assert node.target.__name__ == "getitem" and node.args[1] == i
+        assert node.args[0].target is torch.ops.ragged_compile.ragged_attention_lse.default
+    assert lse.meta["val"].shape == (4, 10) and lse.meta["val"].dtype == torch.float32
+    for node, shape in ((rng, (2,)), (unused, ())):
+        assert node.target is torch.ops.aten.zeros.default
+        assert node.meta["val"].shape == shape and node.meta["val"].dtype == torch.uint64
+    g.lint()
+
+
+def test_flash_pass_keeps_inference_forward_lse_free():
+    from ragged_compile.backends import flashinfer as fi
+    from ragged_compile.passes import FlashVarlenPass
+
+    if not fi.available():
+        pytest.skip("flashinfer is not importable")
+    g = _flash_forward_graph((0,))
+    FlashVarlenPass()(g)
+    targets = [n.target for n in g.nodes if n.op == "call_function"]
+    assert torch.ops.ragged_compile.ragged_attention.default in targets
+    assert torch.ops.ragged_compile.ragged_attention_lse.default not in targets

@@ -1,0 +1,204 @@
+"""transformers models, unmodified, on our op: each against the same weights on "sdpa"
+(or, for packed batches, each sequence alone), with a count of our op's calls."""
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+transformers = pytest.importorskip("transformers")
+
+from ragged_compile import hf, hf_towers  # noqa: E402
+
+NAME = hf.register()
+
+
+class Count(TorchDispatchMode):
+    """Counts our op's calls below autograd."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.ragged_compile.ragged_attention.default:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def build(cls, config, seed=0):
+    torch.manual_seed(seed)
+    config._attn_implementation = "sdpa"
+    model = cls(config).eval()
+    return model
+
+
+def both(model, fn):
+    """(sdpa result, our result, our op's calls) for fn(model) with the same weights."""
+    model.set_attn_implementation("sdpa")
+    ref = fn(model)
+    model.set_attn_implementation(NAME)
+    with Count() as c:
+        out = fn(model)
+    model.set_attn_implementation("sdpa")
+    return ref, out, c.n
+
+
+def close(a, b, rows=None, tol=2e-5):
+    if rows is not None:
+        a, b = a[rows], b[rows]
+    torch.testing.assert_close(b, a, atol=tol, rtol=tol)
+
+
+def pad_mask(lengths, s, left=False):
+    m = torch.zeros(len(lengths), s, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        if left:
+            m[i, s - n:] = 1
+        else:
+            m[i, :n] = 1
+    return m
+
+
+# -- API -------------------------------------------------------------------------------
+
+
+def test_import_does_not_import_transformers():
+    code = "import sys, ragged_compile; assert 'transformers' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_register_is_idempotent_and_checks_name():
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    assert hf.register() == hf.register() == "ragged"
+    assert ALL_ATTENTION_FUNCTIONS["ragged"] is hf.attention_forward
+    assert ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["ragged"] is hf.mask_function
+    with pytest.raises(ValueError, match="flash"):
+        hf.register("my_flash")
+    with pytest.raises(TypeError):
+        hf.register("")
+
+
+def test_tower_patch_contract():
+    """Fails loudly if transformers changes the vision towers' cu_seqlens branch."""
+    import importlib
+
+    names = [
+        "qwen2_vl.modeling_qwen2_vl", "qwen2_5_vl.modeling_qwen2_5_vl", "qwen3_vl.modeling_qwen3_vl",
+        "qwen2_5_omni.modeling_qwen2_5_omni", "qwen3_asr.modeling_qwen3_asr",
+    ]
+    for n in names:
+        mod = importlib.import_module("transformers.models." + n)
+        fn = mod.__dict__.get("is_flash_attention_requested")
+        assert fn is not None and getattr(fn, "_ragged_compile", False), (
+            f"transformers {transformers.__version__} changed {n}: its towers no longer take "
+            f"cu_seqlens behind is_flash_attention_requested(self.config) with {hf_towers.PATTERN}; "
+            f"ragged_compile.hf_towers must be updated"
+        )
+    # Others keep the original: models that pick flash classes by it stay untouched.
+    from transformers.models.falcon import modeling_falcon
+
+    assert not getattr(modeling_falcon.is_flash_attention_requested, "_ragged_compile", False)
+
+
+# -- encoders --------------------------------------------------------------------------
+
+
+def _bert():
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=64)
+    return build(BertModel, cfg)
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_bert_padded_2d(left):
+    model = _bert()
+    lengths = [7, 3, 12, 1]
+    ids = torch.randint(0, 64, (4, 12))
+    mask = pad_mask(lengths, 12, left)
+    ref, out, n = both(model, lambda m: m(input_ids=ids, attention_mask=mask).last_hidden_state)
+    assert n == 2
+    close(ref, out, mask.bool())
+    close(ref, out)  # non-causal: padded query rows attend the row's tokens, as SDPA
+
+
+def test_bert_4d_mask_and_gradients():
+    model = _bert()
+    lengths = [5, 9, 2]
+    ids = torch.randint(0, 64, (3, 9))
+    m2 = pad_mask(lengths, 9).bool()
+    m4 = m2[:, None, None, :].expand(3, 1, 9, 9)
+
+    def run(m):
+        model.zero_grad()
+        out = m(input_ids=ids, attention_mask=m4).last_hidden_state
+        (out * m2[..., None]).square().sum().backward()
+        return out.detach(), model.encoder.layer[0].attention.self.query.weight.grad.clone()
+
+    (ref, gref), (out, gout), n = both(model, run)
+    assert n == 2
+    close(ref, out, m2)
+    close(gref, gout, tol=1e-4)
+
+
+def test_bert_non_ragged_4d_mask_falls_back(caplog):
+    model = _bert()
+    ids = torch.randint(0, 64, (2, 6))
+    m4 = torch.rand(2, 1, 6, 6) > 0.3
+    m4[..., 0] = True
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"):
+        ref, out, n = both(model, lambda m: m(input_ids=ids, attention_mask=m4).last_hidden_state)
+    assert n == 0
+    close(ref, out)
+    assert "non-ragged attention mask" in caplog.text
+
+
+@pytest.mark.parametrize("window,calls", [(64, 2), (4, 1)])
+def test_modernbert_local_window(window, calls):
+    from transformers import ModernBertConfig, ModernBertModel
+
+    cfg = ModernBertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=64, local_attention=window,
+                           global_attn_every_n_layers=2, pad_token_id=0)
+    model = build(ModernBertModel, cfg)
+    lengths = [10, 4, 7]
+    ids = torch.randint(1, 64, (3, 10))
+    mask = pad_mask(lengths, 10)
+    ref, out, n = both(model, lambda m: m(input_ids=ids, attention_mask=mask).last_hidden_state)
+    assert n == calls  # layer 0 global, layer 1 local: ours only where the window spans the rows
+    close(ref, out, mask.bool())
+
+
+def test_vit():
+    from transformers import ViTConfig, ViTModel
+
+    cfg = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                    image_size=16, patch_size=4)
+    model = build(ViTModel, cfg)
+    px = torch.randn(2, 3, 16, 16)
+    ref, out, n = both(model, lambda m: m(pixel_values=px).last_hidden_state)
+    assert n == 2
+    close(ref, out)
+
+
+def test_siglip2_naflex_head_dim_72():
+    from transformers import Siglip2VisionConfig, Siglip2VisionModel
+
+    cfg = Siglip2VisionConfig(hidden_size=144, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                              patch_size=4, num_patches=16)
+    model = build(Siglip2VisionModel, cfg)
+    b, p = 3, 16
+    px = torch.randn(b, p, 3 * 4 * 4)
+    mask = pad_mask([16, 9, 4], p)
+    shapes = torch.tensor([[4, 4], [3, 3], [2, 2]])
+    ref, out, n = both(model, lambda m: m(pixel_values=px, pixel_attention_mask=mask,
+                                          spatial_shapes=shapes).last_hidden_state)
+    assert n == 2
+    close(ref, out, mask.bool(), tol=1e-4)

@@ -279,12 +279,12 @@ def _plain_cached(b, sq, sk, device) -> _Layout:
 
 # -- fallback -------------------------------------------------------------------
 
-_warned: set[str] = set()
+_warned: set[tuple] = set()
 
 
 def _log_once(reason: str, module) -> None:
-    if reason not in _warned:
-        _warned.add(reason)
+    if (reason, type(module).__name__) not in _warned:
+        _warned.add((reason, type(module).__name__))
         log.warning(
             "ragged_compile.hf: %s: %s runs transformers' stock SDPA for these calls",
             reason, type(module).__name__,

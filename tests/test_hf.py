@@ -29,6 +29,11 @@ class Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    hf._warned.clear()
+
+
 def build(cls, config, seed=0):
     torch.manual_seed(seed)
     config._attn_implementation = "sdpa"
@@ -202,3 +207,134 @@ def test_siglip2_naflex_head_dim_72():
                                           spatial_shapes=shapes).last_hidden_state)
     assert n == 2
     close(ref, out, mask.bool(), tol=1e-4)
+
+
+# -- decoders --------------------------------------------------------------------------
+
+
+def _decoder(kind, **extra):
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    cls, ccls = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+                 "mistral": (MistralForCausalLM, MistralConfig)}[kind]
+    cfg = ccls(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=64, max_position_embeddings=128, pad_token_id=0, eos_token_id=63, bos_token_id=1,
+               **extra)
+    return build(cls, cfg)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("left", [False, True])
+def test_decoder_padded(kind, left):
+    model = _decoder(kind)
+    lengths = [9, 4, 1, 6]
+    ids = torch.randint(1, 63, (4, 9))
+    mask = pad_mask(lengths, 9, left)
+    ref, out, n = both(model, lambda m: m(input_ids=ids, attention_mask=mask).logits)
+    assert n == 2
+    close(ref, out, mask.bool())
+
+
+def _features(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(1, 63, (n,), generator=g).tolist()} for n in lengths]
+
+
+def _alone(model, feats):
+    model.set_attn_implementation("sdpa")
+    return torch.cat([model(input_ids=torch.tensor([f["input_ids"]])).logits[0] for f in feats])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_decoder_packed_collator_kwargs(kind):
+    from transformers import DataCollatorWithFlattening
+
+    model = _decoder(kind)
+    feats = _features([5, 1, 8, 3])
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")(feats)
+    assert "cu_seq_lens_q" in batch
+    batch.pop("labels", None)
+    ref = _alone(model, feats)
+    model.set_attn_implementation(NAME)
+    with Count() as c:
+        out = model(**batch).logits[0]
+    assert c.n == 2
+    close(ref, out)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_decoder_packed_position_ids_only(kind):
+    model = _decoder(kind)
+    feats = _features([4, 7, 2])
+    ids = torch.tensor([sum((f["input_ids"] for f in feats), [])])
+    pos = torch.cat([torch.arange(len(f["input_ids"])) for f in feats])[None]
+    ref = _alone(model, feats)
+    model.set_attn_implementation(NAME)
+    with Count() as c:
+        out = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+    assert c.n == 2
+    close(ref, out)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_decoder_generate_left_padding(kind):
+    model = _decoder(kind)
+    ids = torch.randint(2, 62, (3, 7))
+    mask = pad_mask([7, 3, 5], 7, left=True)
+    ids = ids * mask
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ref, out, n = both(model, lambda m: m.generate(**kw))
+    assert n == 2 * 6  # prefill and every decode step, both layers, on our op
+    assert torch.equal(ref, out)
+
+
+@pytest.mark.parametrize("length,calls", [(4, 2), (10, 0)])
+def test_mistral_sliding_window(length, calls, caplog):
+    model = _decoder("mistral", sliding_window=5)
+    ids = torch.randint(1, 63, (2, length))
+    mask = pad_mask([length, length - 1], length)
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"):
+        ref, out, n = both(model, lambda m: m(input_ids=ids, attention_mask=mask).logits)
+    assert n == calls  # the window covers every row, or runs stock
+    close(ref, out, mask.bool())
+    if calls == 0:
+        assert "sliding window shorter" in caplog.text
+
+
+def test_fallbacks_log_once_and_match(caplog):
+    model = _decoder("llama")
+    ids = torch.randint(1, 63, (2, 5))
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"):
+        ref, out, n = both(model, lambda m: m(input_ids=ids, output_attentions=True).logits)
+    assert n == 0
+    close(ref, out)
+    ours = [r for r in caplog.records if r.name == "ragged_compile"]
+    assert len(ours) == 1 and "output_attentions" in ours[0].getMessage()
+    assert ours[0].levelno == logging.WARNING
+
+
+def test_packed_llama_compiles_fullgraph_one_graph():
+    op = torch.ops.ragged_compile.ragged_attention
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(sum(n.op == "call_function" and n.target in (op, op.default) for n in gm.graph.nodes))
+        return gm.forward
+
+    model = _decoder("llama")
+    model.set_attn_implementation(NAME)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for i, lengths in enumerate([[5, 1, 8, 3], [2, 2, 9], [7, 6, 3, 1, 4], [12]]):
+        feats = _features(lengths, seed=i)
+        ids = torch.tensor([sum((f["input_ids"] for f in feats), [])])
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+        pos = torch.cat([torch.arange(n) for n in lengths])[None]
+        torch._dynamo.mark_dynamic(ids, 1)
+        torch._dynamo.mark_dynamic(pos, 1)
+        torch._dynamo.mark_dynamic(cu, 0)
+        out = compiled(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                       use_cache=False).logits[0]
+        close(_alone(model, feats), out, tol=1e-4)
+        model.set_attn_implementation(NAME)
+    assert graphs == [2]  # one graph for every layout, our op in both layers

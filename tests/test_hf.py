@@ -338,3 +338,127 @@ def test_packed_llama_compiles_fullgraph_one_graph():
         close(_alone(model, feats), out, tol=1e-4)
         model.set_attn_implementation(NAME)
     assert graphs == [2]  # one graph for every layout, our op in both layers
+
+
+# -- vision towers ------------------------------------------------------------------------
+
+
+def _qwen25_vision_config():
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+
+    return Qwen2_5_VLVisionConfig(depth=4, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
+                                  patch_size=2, spatial_merge_size=2, temporal_patch_size=2, window_size=8,
+                                  fullatt_block_indexes=[1, 3], in_channels=3)
+
+
+GRID = torch.tensor([[1, 4, 6], [1, 8, 4], [2, 4, 4], [1, 2, 2]])
+
+
+def test_qwen25_vl_vision_tower_one_call_per_layer():
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    model = build(Qwen2_5_VisionTransformerPretrainedModel, _qwen25_vision_config())
+    tokens = int((GRID[:, 0] * GRID[:, 1] * GRID[:, 2]).sum())
+    x = torch.randn(tokens, 3 * 2 * 2 * 2)
+    ref, out, n = both(model, lambda m: m(x, grid_thw=GRID).pooler_output)
+    assert n == 4  # one ragged call per layer, windows and full blocks alike
+    close(ref, out, tol=1e-4)
+
+
+def test_qwen25_vl_vision_tower_compiles_fullgraph_one_graph():
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
+
+    op = torch.ops.ragged_compile.ragged_attention
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(sum(n.op == "call_function" and n.target in (op, op.default) for n in gm.graph.nodes))
+        return gm.forward
+
+    cfg = _qwen25_vision_config()
+    model = build(Qwen2_5_VisionTransformerPretrainedModel, cfg)
+    model.set_attn_implementation(NAME)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for grid in (GRID, GRID[:2].clone(), torch.tensor([[1, 6, 6], [1, 4, 4], [1, 2, 4]])):
+        tokens = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
+        x = torch.randn(tokens, 24)
+        # Host-side inputs precomputed outside the graph, as transformers' vision_utils intend.
+        window_index, cu_window = get_vision_window_index(grid, 2, cfg.window_size, 2)
+        kw = dict(cu_seqlens=get_vision_cu_seqlens(grid), position_ids=get_vision_position_ids(grid, 2),
+                  window_index=window_index, cu_window_seqlens=cu_window)
+        for t in (x, grid, *kw.values()):
+            torch._dynamo.mark_dynamic(t, 0)
+        out = compiled(x, grid_thw=grid, **kw).pooler_output
+        model.set_attn_implementation("sdpa")
+        ref = model(x, grid_thw=grid).pooler_output
+        model.set_attn_implementation(NAME)
+        close(ref, out, tol=1e-4)
+    assert graphs == [4]
+
+
+def test_qwen25_vl_full_model():
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    vision = _qwen25_vision_config().to_dict()
+    text = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=64, max_position_embeddings=256, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
+    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=90, video_token_id=91,
+                           vision_start_token_id=92, vision_end_token_id=93)
+    model = build(Qwen2_5_VLForConditionalGeneration, cfg)
+    grid = GRID[:2]
+    n_img = [int(t * h * w) // 4 for t, h, w in grid.tolist()]
+    rows = []
+    for n in n_img:
+        rows.append([5, 6, 92] + [90] * n + [93, 7, 8])
+    s = max(map(len, rows))
+    ids = torch.tensor([[0] * (s - len(r)) + r for r in rows])
+    mask = (torch.arange(s)[None] >= torch.tensor([s - len(r) for r in rows])[:, None]).long()
+    px = torch.randn(int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum()), 24)
+    ref, out, n = both(model, lambda m: m(input_ids=ids, attention_mask=mask, pixel_values=px,
+                                          image_grid_thw=grid).logits)
+    assert n == 4 + 2
+    close(ref, out, mask.bool(), tol=1e-4)
+
+
+# -- encoder-decoder -------------------------------------------------------------------------
+
+
+def test_whisper():
+    from transformers import WhisperConfig, WhisperModel
+
+    cfg = WhisperConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
+                        max_source_positions=16, max_target_positions=32, pad_token_id=0,
+                        decoder_start_token_id=1)
+    model = build(WhisperModel, cfg)
+    feats = torch.randn(2, 8, 32)
+    dec = torch.randint(1, 64, (2, 6))
+    dmask = pad_mask([6, 4], 6)
+    ref, out, n = both(model, lambda m: m(input_features=feats, decoder_input_ids=dec,
+                                          decoder_attention_mask=dmask).last_hidden_state)
+    assert n == 2 + 2 * 2  # encoder self, decoder self and cross
+    close(ref, out, dmask.bool(), tol=1e-4)
+
+
+def test_bart_cross_attention_key_padding():
+    from transformers import BartConfig, BartModel
+
+    cfg = BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                     pad_token_id=0)
+    model = build(BartModel, cfg)
+    ids = torch.randint(3, 64, (3, 9))
+    mask = pad_mask([9, 5, 2], 9)
+    dec = torch.randint(3, 64, (3, 5))
+    dmask = pad_mask([5, 2, 4], 5)
+
+    def run(m):
+        o = m(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=dmask)
+        return o.encoder_last_hidden_state, o.last_hidden_state
+
+    (eref, dref), (eout, dout), n = both(model, run)
+    assert n == 2 + 2 * 2
+    close(eref, eout, mask.bool(), tol=1e-4)
+    close(dref, dout, dmask.bool(), tol=1e-4)

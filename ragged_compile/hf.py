@@ -194,6 +194,22 @@ def _check_padded(valid_k: torch.Tensor, sq: int, causal: bool) -> str | None:
     return None
 
 
+def _assert_padded(valid_k: torch.Tensor, sq: int, causal: bool) -> None:
+    """_check_padded for compiled code: no host read, an error at run time instead
+    of a fallback (a graph cannot choose stock SDPA on the mask's values)."""
+    start, n = _runs(valid_k)
+    sk = valid_k.shape[-1]
+    idx = torch.arange(sk, device=valid_k.device)
+    inside = (idx >= start[:, None]) & (idx < (start + n)[:, None])
+    ok = (inside == valid_k).all()
+    if causal and sq != sk:
+        ok = ok & ((start + n) == sk).all()
+    torch._assert_async(
+        ok, "ragged_compile.hf: attention_mask is not padding (one run of 1s per row) under "
+        "torch.compile; run such masks eagerly or on attn_implementation='sdpa'",
+    )
+
+
 def _position_layout(position_ids: torch.Tensor, b: int, s: int) -> _Layout:
     """Packed sequences start where positions do not continue (as transformers'
     find_packed_sequence_indices). Static shape: one segment slot per token,
@@ -282,13 +298,25 @@ def _plain_cached(b, sq, sk, device) -> _Layout:
 _warned: set[tuple] = set()
 
 
+def _emit(reason: str, where: str) -> None:
+    if (reason, where) not in _warned:
+        _warned.add((reason, where))
+        log.warning("ragged_compile.hf: %s: %s runs transformers' stock SDPA for these calls", reason, where)
+
+
+def _emit_at_trace(ctx) -> None:
+    # Runs while Dynamo traces _log_once: logs once per compile, no graph break.
+    _emit(ctx.get_local("reason").as_python_constant(), ctx.get_local("where").as_python_constant())
+
+
 def _log_once(reason: str, module) -> None:
-    if (reason, type(module).__name__) not in _warned:
-        _warned.add((reason, type(module).__name__))
-        log.warning(
-            "ragged_compile.hf: %s: %s runs transformers' stock SDPA for these calls",
-            reason, type(module).__name__,
-        )
+    where = type(module).__name__
+    if torch.compiler.is_compiling():
+        from torch._dynamo.comptime import comptime
+
+        comptime(_emit_at_trace)
+    else:
+        _emit(reason, where)
 
 
 def _dense_from_layout(layout: _Layout, b, sq, sk, causal, window, device) -> torch.Tensor:
@@ -427,6 +455,8 @@ def attention_forward(
             valid = attention_mask.to(torch.bool)
 
             def build():
+                if compiling:
+                    _assert_padded(valid, sq, causal)
                 why = None if compiling else _check_padded(valid, sq, causal)
                 if why is not None:
                     return _Layout(None, None, ragged=False)

@@ -462,3 +462,62 @@ def test_bart_cross_attention_key_padding():
     assert n == 2 + 2 * 2
     close(eref, eout, mask.bool(), tol=1e-4)
     close(dref, dout, dmask.bool(), tol=1e-4)
+
+
+# -- padded batches under torch.compile --------------------------------------------------
+
+
+def _graphs():
+    op = torch.ops.ragged_compile.ragged_attention
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(sum(n.op == "call_function" and n.target in (op, op.default) for n in gm.graph.nodes))
+        return gm.forward
+
+    return graphs, backend
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_padded_compiles_fullgraph_one_graph(kind):
+    model = _bert() if kind == "bert" else _decoder("llama")
+    kw = {} if kind == "bert" else dict(use_cache=False)
+    graphs, backend = _graphs()
+    torch._dynamo.reset()
+    model.set_attn_implementation(NAME)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for lengths, s, left in (([7, 3, 12, 1], 12, False), ([5, 5], 9, True), ([2, 8, 4], 8, False)):
+        ids = torch.randint(1, 63, (len(lengths), s))
+        mask = pad_mask(lengths, s, left)
+        for t in (ids, mask):
+            torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(t, 1)
+        out = compiled(input_ids=ids, attention_mask=mask, **kw)[0]
+        model.set_attn_implementation("sdpa")
+        ref = model(input_ids=ids, attention_mask=mask, **kw)[0]
+        model.set_attn_implementation(NAME)
+        close(ref, out, mask.bool(), tol=1e-4)
+    assert graphs == [2]
+    holes = pad_mask([8, 8], 8)
+    holes[0, 3] = 0
+    with pytest.raises(RuntimeError, match="not padding"):
+        compiled(input_ids=torch.randint(1, 63, (2, 8)), attention_mask=holes, **kw)
+
+
+def test_compiled_fallback_logs_without_graph_break(caplog):
+    model = _decoder("mistral", sliding_window=3)
+    graphs, backend = _graphs()
+    torch._dynamo.reset()
+    model.set_attn_implementation(NAME)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    ids = torch.randint(1, 63, (2, 8))
+    mask = pad_mask([8, 6], 8)
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"):
+        out = compiled(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        compiled(input_ids=ids, attention_mask=mask, use_cache=False)
+    model.set_attn_implementation("sdpa")
+    ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    close(ref, out, mask.bool(), tol=1e-4)
+    assert graphs == [0]
+    ours = [r for r in caplog.records if r.name == "ragged_compile"]
+    assert len(ours) == 1 and "sliding window" in ours[0].getMessage()

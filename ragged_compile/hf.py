@@ -271,7 +271,8 @@ def _cached(src, extra, build):
         return build()
     key = id(src)
     hit = _cache.get(key)
-    version = src._version if isinstance(src, torch.Tensor) else 0
+    # Inference tensors have no version counter: known by identity alone.
+    version = src._version if isinstance(src, torch.Tensor) and not src.is_inference() else -1
     if hit is not None and hit[0]() is src and hit[1] == version and hit[2] == extra:
         return hit[3]
     value = build()
@@ -487,11 +488,22 @@ def attention_forward(
     k = key.transpose(1, 2).reshape(b * sk, key.shape[1], d)
     v = value.transpose(1, 2).reshape(b * sk, value.shape[1], d)
     if query.device.type == "cuda" and not compiling:
+        if layout.cu_q.is_inference() or layout.cu_k.is_inference():
+            # The runtime knows offsets by (address, version); inference tensors have
+            # no version. A plain copy, once per forward where the layout is cached.
+            layout = _cached(layout.cu_q, ("plain", id(layout.cu_k)), lambda: _plain_copy(layout))
         with _cuda_step(query.device, layout):
             out = ragged_attention(q, k, v, layout.cu_q, layout.cu_k, causal=causal, scale=scaling)
     else:
         out = ragged_attention(q, k, v, layout.cu_q, layout.cu_k, causal=causal, scale=scaling)
     return out.view(b, sq, hq, d), None
+
+
+def _plain_copy(layout: _Layout) -> _Layout:
+    with torch.inference_mode(False):
+        cu_q = layout.cu_q.clone()
+        cu_k = cu_q if layout.cu_k is layout.cu_q else layout.cu_k.clone()
+    return _Layout(cu_q, cu_k, layout.max_k)
 
 
 def _window_covers(layout: _Layout, window: int, compiling: bool) -> bool:

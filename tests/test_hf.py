@@ -521,3 +521,69 @@ def test_compiled_fallback_logs_without_graph_break(caplog):
     assert graphs == [0]
     ours = [r for r in caplog.records if r.name == "ragged_compile"]
     assert len(ours) == 1 and "sliding window" in ours[0].getMessage()
+
+
+def test_inference_mode():
+    model = _bert()
+    ids = torch.randint(0, 64, (3, 8))
+    mask = pad_mask([8, 2, 5], 8)
+    model.set_attn_implementation("sdpa")
+    ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    model.set_attn_implementation(NAME)
+    with torch.inference_mode(), Count() as c:
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert c.n == 2
+    close(ref, out, mask.bool())
+
+
+# -- CUDA: FlashInfer through the runtime, one plan per layout per forward ----------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_vision_tower_plans_once_per_layout():
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    from ragged_compile.runtime import get_runtime
+
+    cfg = _qwen25_vision_config()
+    cfg.hidden_size, cfg.num_heads, cfg.intermediate_size = 256, 4, 512  # head dim 64
+    model = build(Qwen2_5_VisionTransformerPretrainedModel, cfg).cuda().bfloat16()
+    grid = GRID.cuda()
+    x = torch.randn(int((GRID[:, 0] * GRID[:, 1] * GRID[:, 2]).sum()), 24, device="cuda", dtype=torch.bfloat16)
+    rt = get_runtime(torch.device("cuda"))
+    with torch.no_grad():
+        ref, out, n = both(model, lambda m: m(x, grid_thw=grid).pooler_output)
+        before = dict(rt.stats)
+        model.set_attn_implementation(NAME)
+        model(x, grid_thw=grid)
+    assert n == 4
+    plans = rt.stats["plans"] - before.get("plans", 0)
+    assert plans == 2, plans  # windows and full blocks: one plan each, for 4 layers
+    assert rt.stats["flashinfer"] - before.get("flashinfer", 0) == 4
+    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("left", [False, True])
+def test_cuda_decoder_padded_and_generate(left):
+    from ragged_compile.runtime import get_runtime
+
+    model = _decoder("qwen2", head_dim=64).cuda().bfloat16()
+    ids = torch.randint(2, 62, (3, 9), device="cuda")
+    mask = pad_mask([9, 4, 6], 9, left).cuda()
+    rt = get_runtime(torch.device("cuda"))
+    with torch.no_grad():
+        ref, out, n = both(model, lambda m: m(input_ids=ids, attention_mask=mask, use_cache=False).logits)
+        assert n == 2
+        torch.testing.assert_close(out[mask.bool()].float(), ref[mask.bool()].float(), atol=5e-2, rtol=5e-2)
+        before = rt.stats["plans"]
+        model.set_attn_implementation(NAME)
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+        assert rt.stats["plans"] - before == 1
+        if left:
+            kw = dict(input_ids=ids * mask, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+            ref, out, n = both(model, lambda m: m.generate(**kw))
+            assert n == 2 * 5
+            assert torch.equal(ref, out)

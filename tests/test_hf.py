@@ -590,3 +590,32 @@ def test_cuda_decoder_padded_and_generate(left):
             ref, out, n = both(model, lambda m: m.generate(**kw))
             assert n == 2 * 5
             assert out.shape == ref.shape and torch.equal(out[:, :9], ref[:, :9])
+
+
+def test_qwen3_vl_vision_tower_one_call_per_layer():
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    cfg = Qwen3VLVisionConfig(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
+                              patch_size=2, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                              deepstack_visual_indexes=[1], in_channels=3)
+    model = build(Qwen3VLVisionModel, cfg)
+    x = torch.randn(int((GRID[:, 0] * GRID[:, 1] * GRID[:, 2]).sum()), 24)
+    ref, out, n = both(model, lambda m: m(x, grid_thw=GRID).pooler_output)
+    assert n == 3
+    close(ref, out, tol=1e-4)
+
+
+def test_qwen25_omni_audio_tower_one_call_per_layer():
+    from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniAudioEncoderConfig
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
+
+    cfg = Qwen2_5OmniAudioEncoderConfig(num_mel_bins=8, encoder_layers=2, encoder_attention_heads=4,
+                                        encoder_ffn_dim=64, d_model=32, output_dim=32, n_window=4,
+                                        max_source_positions=64)
+    model = build(Qwen2_5OmniAudioEncoder, cfg)
+    lens = torch.tensor([20, 9, 14])
+    feats = torch.randn(8, int(lens.sum()))
+    ref, out, n = both(model, lambda m: m(feats, feature_lens=lens).last_hidden_state)
+    assert n == 2
+    close(ref, out, tol=1e-4)

@@ -168,7 +168,9 @@ def decoder_case(dev, dtype, smoke, iters):
         return model(input_ids=padded, attention_mask=mask, use_cache=False).last_hidden_state
 
     def run_ours():
-        return model(**packed).last_hidden_state
+        # Fresh offsets per forward, as a data loader gives: one plan per forward, not a cached one.
+        fresh = cu.clone()
+        return model(**{**packed, "cu_seq_lens_q": fresh, "cu_seq_lens_k": fresh}).last_hidden_state
 
     model.set_attn_implementation("sdpa")
     ref = run_sdpa()[mask.bool()]
@@ -202,7 +204,8 @@ def encoder_case(dev, dtype, smoke, iters):
     mask = (torch.arange(s, device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]).long()
 
     def run():
-        return model(input_ids=ids, attention_mask=mask).last_hidden_state
+        # A fresh mask per forward, as a data loader gives (no layout cached across forwards).
+        return model(input_ids=ids, attention_mask=mask.clone()).last_hidden_state
 
     model.set_attn_implementation("sdpa")
     ref = run()[mask.bool()]

@@ -144,10 +144,10 @@ def mask_function(
 class _Layout:
     """Offsets over the flattened ``[B * Sq]`` queries and ``[B * Sk]`` keys."""
 
-    __slots__ = ("cu_q", "cu_k", "max_k", "ragged", "__weakref__")
+    __slots__ = ("cu_q", "cu_k", "max_k", "ragged", "plain", "__weakref__")
 
-    def __init__(self, cu_q, cu_k, max_k=None, ragged=True):
-        self.cu_q, self.cu_k, self.max_k, self.ragged = cu_q, cu_k, max_k, ragged
+    def __init__(self, cu_q, cu_k, max_k=None, ragged=True, plain=False):
+        self.cu_q, self.cu_k, self.max_k, self.ragged, self.plain = cu_q, cu_k, max_k, ragged, plain
 
 
 def _cu(lengths: torch.Tensor) -> torch.Tensor:
@@ -227,7 +227,7 @@ def _position_layout(position_ids: torch.Tensor, b: int, s: int) -> _Layout:
 def _plain_layout(b: int, sq: int, sk: int, device) -> _Layout:
     cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=device)
     cu_k = cu_q if sk == sq else torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=device)
-    return _Layout(cu_q, cu_k, max_k=sk)
+    return _Layout(cu_q, cu_k, max_k=sk, plain=True)
 
 
 def _check_4d(mask: torch.Tensor, sq: int, sk: int, causal: bool):
@@ -367,7 +367,7 @@ def _stock(module, query, key, value, attention_mask, dropout, scaling, causal, 
             mask = mask & ((dist < window) if causal else (dist.abs() < window))
         empty = ~mask.any(-1, keepdim=True)
         mask = (mask | empty)[:, None]
-    elif layout is not None:
+    elif layout is not None and not (layout.plain and sq == sk and kwargs.get("sliding_window") is None):
         mask, empty = _dense_from_layout(layout, b, sq, sk, causal, kwargs.get("sliding_window"), query.device)
     else:
         mask = None
@@ -422,17 +422,12 @@ def attention_forward(
     causal = bool(causal)
     b, hq, sq, d = query.shape
     sk = key.shape[2]
-    if causal and sq > sk:
-        causal_ok = False
-    else:
-        causal_ok = True
-    reason = _reason(module, query, key, value, dropout, kwargs)
-    if reason is None and not causal_ok:
-        reason = "non-ragged attention mask"
-    if reason is not None:
-        return _stock(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs, reason)
-
     compiling = torch.compiler.is_compiling()
+    reason = _reason(module, query, key, value, dropout, kwargs)
+    if reason is None and causal and sq > sk:
+        reason = "non-ragged attention mask"  # more queries than keys: no cache alignment
+
+    # Packing is known without the mask; stock SDPA needs it too (as a dense mask).
     cu_q = kwargs.get("cu_seq_lens_q")
     layout = None
     if cu_q is not None:
@@ -449,6 +444,11 @@ def attention_forward(
             layout = _cached(position_ids, (b, sq), lambda: _position_layout(position_ids, b, sq))
         else:
             layout = _plain_layout(b, sq, sk, query.device) if compiling else _plain_cached(b, sq, sk, query.device)
+    if reason is not None:
+        return _stock(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs, reason, layout)
+
+    if layout is not None:
+        pass  # packed, or no mask
     elif attention_mask.dim() == 2:
         if attention_mask.shape != (b, sk):
             reason = "non-ragged attention mask"

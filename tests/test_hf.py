@@ -619,3 +619,25 @@ def test_qwen25_omni_audio_tower_one_call_per_layer():
     ref, out, n = both(model, lambda m: m(feats, feature_lens=lens).last_hidden_state)
     assert n == 2
     close(ref, out, tol=1e-4)
+
+
+def test_packed_training_with_dropout_falls_back_to_packed_sdpa(caplog):
+    from transformers import DataCollatorWithFlattening
+
+    model = _decoder("llama", attention_dropout=0.5)
+    feats = _features([5, 3, 7])
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")(feats)
+    batch.pop("labels", None)
+    model.train()
+    model.set_attn_implementation(NAME)
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"), Count() as c:
+        out = model(**batch).logits[0]
+    assert c.n == 0 and "dropout in training" in caplog.text
+    # Stock SDPA still sees the packing: sequence 2 alone gives the same logits up to dropout's
+    # randomness, so compare with dropout off through the same fallback (output_attentions).
+    model.eval()
+    ref = _alone(model, feats)
+    model.set_attn_implementation(NAME)
+    out = model(**batch, output_attentions=True).logits[0]
+    close(ref, out)

@@ -230,9 +230,11 @@ def _plain_layout(b: int, sq: int, sk: int, device) -> _Layout:
     return _Layout(cu_q, cu_k, max_k=sk, plain=True)
 
 
-def _check_4d(mask: torch.Tensor, sq: int, sk: int, causal: bool):
+def _check_4d(mask: torch.Tensor, b: int, sq: int, sk: int, causal: bool):
     """A 4-D mask as a key padding mask [B, Sk], if it is padding plus optional
     (bottom-right) causal on every row that is not itself padding; else None."""
+    if mask.shape[0] not in (1, b) or mask.shape[-2] not in (1, sq) or mask.shape[-1] != sk:
+        return None
     if mask.dtype == torch.bool:
         allowed = mask
     elif mask.is_floating_point():
@@ -243,7 +245,7 @@ def _check_4d(mask: torch.Tensor, sq: int, sk: int, causal: bool):
         return None
     if allowed.shape[1] != 1 and not bool((allowed == allowed[:, :1]).all()):
         return None
-    a = allowed[:, 0].expand(allowed.shape[0], sq, sk)
+    a = allowed[:, 0].expand(b, sq, sk)
     valid = a.any(1)
     if _check_padded(valid, sq, False) is not None:
         return None
@@ -468,7 +470,7 @@ def attention_forward(
                 reason, layout = "non-ragged attention mask", None
     elif attention_mask.dim() == 4 and not compiling:
         def build4():
-            valid = _check_4d(attention_mask, sq, sk, causal)
+            valid = _check_4d(attention_mask, b, sq, sk, causal)
             return _Layout(None, None, ragged=False) if valid is None else _padded_layout(valid, sq, causal)
 
         layout = _cached(attention_mask, (sq, sk, causal), build4)

@@ -641,3 +641,13 @@ def test_packed_training_with_dropout_falls_back_to_packed_sdpa(caplog):
     model.set_attn_implementation(NAME)
     out = model(**batch, output_attentions=True).logits[0]
     close(ref, out)
+
+
+def test_bert_4d_mask_broadcast_over_batch():
+    model = _bert()
+    ids = torch.randint(0, 64, (3, 7))
+    m4 = torch.zeros(1, 1, 1, 7)
+    m4[..., 5:] = torch.finfo(torch.float32).min  # one additive mask for every row
+    ref, out, n = both(model, lambda m: m(input_ids=ids, attention_mask=m4).last_hidden_state)
+    assert n == 2
+    close(ref, out)

@@ -51,6 +51,7 @@ FALLBACKS = (
     "position_bias",
     "sliding window shorter than a sequence",
     "non-ragged attention mask",
+    "4-D mask under torch.compile (checked for a ragged pattern only in eager)",
     "output_attentions",
     "value head dim differs from query head dim",
     "dtype / head dim our op does not take on this device",
@@ -119,8 +120,17 @@ def mask_function(
 
     if attention_mask is not None:
         attention_mask = attention_mask[:, -kv_length:]
-    needs_4d = kwargs.get("use_vmap", False) or (
-        attention_mask is not None and attention_mask.shape[-1] != kv_length
+    if torch.compiler.is_compiling():
+        # Dynamo cannot read closures: only the two plain patterns pass unmaterialised.
+        from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+
+        plain = mask_function is None or mask_function is causal_mask_function or mask_function is bidirectional_mask_function
+    else:
+        plain = _layout_pattern(mask_function)
+    needs_4d = (
+        kwargs.get("use_vmap", False)
+        or not plain
+        or (attention_mask is not None and attention_mask.shape[-1] != kv_length)
     )
     if needs_4d:
         kwargs.pop("allow_is_causal_skip", None)
@@ -136,6 +146,32 @@ def mask_function(
     if attention_mask is not None and not torch.compiler.is_compiling() and bool(attention_mask.all()):
         return None
     return attention_mask
+
+
+# Mask patterns our layouts express (with the attention kwargs: sliding_window,
+# position_ids / cu_seq_lens). Anything else (chunks, blocks, image-token or_masks,
+# names a new transformers gives its helpers) gets the 4-D mask, checked before use.
+_LAYOUT_PATTERNS = {
+    "causal_mask_function", "bidirectional_mask_function", "and_masks", "sliding_window_overlay",
+    "sliding_window_bidirectional_overlay", "sliding_window_causal_mask_function",
+    "sliding_window_bidirectional_mask_function", "packed_sequence_mask_function",
+    "remap_positions_for_packed_sequence", "padding_mask_function",
+}
+
+
+def _layout_pattern(fn, depth: int = 0) -> bool:
+    """Whether transformers composed `fn` only from patterns a layout expresses."""
+    if fn is None:
+        return True
+    head = getattr(fn, "__qualname__", "").split(".<locals>")[0]
+    if head not in _LAYOUT_PATTERNS or depth > 8:
+        return False
+    for cell in getattr(fn, "__closure__", None) or ():
+        value = cell.cell_contents
+        for inner in value if isinstance(value, (tuple, list)) else (value,):
+            if callable(inner) and not isinstance(inner, (torch.Tensor, type)) and not _layout_pattern(inner, depth + 1):
+                return False
+    return True
 
 
 # -- layouts ----------------------------------------------------------------------
@@ -476,6 +512,8 @@ def attention_forward(
         layout = _cached(attention_mask, (sq, sk, causal), build4)
         if not layout.ragged:
             reason, layout = "non-ragged attention mask", None
+    elif attention_mask.dim() == 4:
+        reason = "4-D mask under torch.compile (checked for a ragged pattern only in eager)"
     else:
         reason = "non-ragged attention mask"
     if reason is None:

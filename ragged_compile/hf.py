@@ -532,7 +532,7 @@ def attention_forward(
             # The runtime knows offsets by (address, version); inference tensors have
             # no version. A plain copy, once per forward where the layout is cached.
             layout = _cached(layout.cu_q, ("plain", id(layout.cu_k)), lambda: _plain_copy(layout))
-        with _cuda_step(query.device, layout):
+        with _cuda_step(query.device):
             out = ragged_attention(q, k, v, layout.cu_q, layout.cu_k, causal=causal, scale=scaling)
     else:
         out = ragged_attention(q, k, v, layout.cu_q, layout.cu_k, causal=causal, scale=scaling)
@@ -574,7 +574,7 @@ class _cuda_step:
     never alias an old one's address.
     """
 
-    def __init__(self, device, layout):
+    def __init__(self, device):
         from .runtime import _activate, _Step, get_runtime
 
         rt = get_runtime(device)

@@ -111,6 +111,20 @@ def test_tower_patch_contract():
     assert not getattr(getattr(modeling_falcon, "is_flash_attention_requested", None), "_ragged_compile", False)
 
 
+def test_tower_patch_before_and_after_register():
+    code = (
+        "import transformers.models.qwen2_vl.modeling_qwen2_vl as a\n"
+        "import ragged_compile.hf as hf\n"
+        "hf.register()\n"
+        "import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as b\n"
+        "for m in (a, b):\n"
+        "    assert getattr(m.is_flash_attention_requested, '_ragged_compile', False), m.__name__\n"
+        "    assert m.is_flash_attention_requested(b.Qwen2_5_VLVisionConfig(_attn_implementation='ragged'))\n"
+        "    assert not m.is_flash_attention_requested(b.Qwen2_5_VLVisionConfig(_attn_implementation='sdpa'))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+
+
 # -- encoders --------------------------------------------------------------------------
 
 

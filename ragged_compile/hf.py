@@ -1,0 +1,598 @@
+"""Hugging Face transformers models on the ragged op, unmodified.
+
+One line::
+
+    model.set_attn_implementation(ragged_compile.hf.register())
+    # or AutoModel.from_pretrained(path, attn_implementation=ragged_compile.hf.register())
+
+What runs on ``ragged_compile::ragged_attention`` (one call per layer):
+
+* padded batches: 2-D padding masks (right or left), and 4-D masks that check
+  out as padding plus optional causal. The padded ``[B, S]`` tensors are not
+  gathered: each row becomes segments ``[padding | tokens | padding]`` whose
+  padding segments see no key (padded query rows come back as zeros) or, for
+  non-causal and cross-attention, every query row sees the row's valid keys.
+  The layout is device arithmetic of static shape, so it compiles;
+* packed batches: ``cu_seq_lens_q/k`` kwargs (``DataCollatorWithFlattening``),
+  or ``position_ids`` restarts when there is no mask;
+* cross-attention with a key padding mask; decoding with a KV cache (our causal
+  is bottom-right aligned, which is what a cache needs);
+* vision/audio towers with ``cu_seqlens`` (see hf_towers.py).
+
+Everything else runs transformers' stock SDPA on the same call, logged once per
+reason at WARNING on the "ragged_compile" logger (see :data:`FALLBACKS`).
+
+``import ragged_compile`` does not import transformers; this module does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from . import hf_towers
+from .ops import ragged_attention, unsupported_reason
+
+__all__ = ["register", "attention_forward", "mask_function", "FALLBACKS", "SUPPORTED_VERSIONS"]
+
+log = logging.getLogger("ragged_compile")
+
+SUPPORTED_VERSIONS = ">=5.0,<6"
+
+# Reasons a call runs stock SDPA instead of our op (README table).
+FALLBACKS = (
+    "dropout in training",
+    "softcap",
+    "attention sinks",
+    "position_bias",
+    "sliding window shorter than a sequence",
+    "non-ragged attention mask",
+    "4-D mask under torch.compile (checked for a ragged pattern only in eager)",
+    "output_attentions",
+    "value head dim differs from query head dim",
+    "dtype / head dim our op does not take on this device",
+)
+
+_registered: set[str] = set()
+_register_lock = threading.Lock()
+
+
+def register(name: str = "ragged") -> str:
+    """Register our attention and mask functions with transformers under `name`.
+
+    Idempotent; returns `name`, to pass as ``attn_implementation=``. The name
+    must not contain "flash": transformers loads such names as FlashAttention
+    hub kernels.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    if "flash" in name.lower():
+        raise ValueError(
+            f"name {name!r} contains 'flash': transformers treats such names as FlashAttention "
+            f"hub kernels and fails at load; pick another, e.g. 'ragged'"
+        )
+    import transformers
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    major = int(transformers.__version__.split(".")[0])
+    if major != 5:
+        raise RuntimeError(
+            f"ragged_compile.hf supports transformers {SUPPORTED_VERSIONS}, found "
+            f"{transformers.__version__}; install ragged-compile[transformers]"
+        )
+    with _register_lock:
+        # Class methods: they write the global tables every model reads. Writing
+        # through an instance, or skipping the mask, hands us attention_mask=None.
+        AttentionInterface.register(name, attention_forward)
+        AttentionMaskInterface.register(name, mask_function)
+        hf_towers.install(name)
+        _registered.add(name)
+    return name
+
+
+# -- mask function ----------------------------------------------------------------
+
+
+def mask_function(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset=0,
+    kv_offset=0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+):
+    """What our attention function gets as ``attention_mask``.
+
+    As for FlashAttention: the 2-D key padding mask (None without padding),
+    since padding, causality and packing are all the layout needs. Where a model
+    overlays its own pattern (``use_vmap``: image tokens, blocks, prefixes) or a
+    static cache makes the mask shorter than the keys, the full 4-D SDPA mask,
+    which the attention function checks before running it on our op.
+    """
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, -kv_length:]
+    if torch.compiler.is_compiling():
+        # Dynamo cannot read closures: only the two plain patterns pass unmaterialised.
+        from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+
+        plain = mask_function is None or mask_function is causal_mask_function or mask_function is bidirectional_mask_function
+    else:
+        plain = _layout_pattern(mask_function)
+    needs_4d = (
+        kwargs.get("use_vmap", False)
+        or not plain
+        or (attention_mask is not None and attention_mask.shape[-1] != kv_length)
+    )
+    if needs_4d:
+        kwargs.pop("allow_is_causal_skip", None)
+        kwargs.pop("use_vmap", None)
+        kw = dict(kwargs)
+        if mask_function is not None:
+            kw["mask_function"] = mask_function
+        return sdpa_mask(
+            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+            kv_offset=kv_offset, attention_mask=attention_mask, allow_is_causal_skip=False,
+            use_vmap=True, **kw,
+        )
+    if attention_mask is not None and not torch.compiler.is_compiling() and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+# Mask patterns our layouts express (with the attention kwargs: sliding_window,
+# position_ids / cu_seq_lens). Anything else (chunks, blocks, image-token or_masks,
+# names a new transformers gives its helpers) gets the 4-D mask, checked before use.
+_LAYOUT_PATTERNS = {
+    "causal_mask_function", "bidirectional_mask_function", "and_masks", "sliding_window_overlay",
+    "sliding_window_bidirectional_overlay", "sliding_window_causal_mask_function",
+    "sliding_window_bidirectional_mask_function", "packed_sequence_mask_function",
+    "remap_positions_for_packed_sequence", "padding_mask_function",
+}
+
+
+def _layout_pattern(fn, depth: int = 0) -> bool:
+    """Whether transformers composed `fn` only from patterns a layout expresses."""
+    if fn is None:
+        return True
+    head = getattr(fn, "__qualname__", "").split(".<locals>")[0]
+    if head not in _LAYOUT_PATTERNS or depth > 8:
+        return False
+    for cell in getattr(fn, "__closure__", None) or ():
+        value = cell.cell_contents
+        for inner in value if isinstance(value, (tuple, list)) else (value,):
+            if callable(inner) and not isinstance(inner, (torch.Tensor, type)) and not _layout_pattern(inner, depth + 1):
+                return False
+    return True
+
+
+# -- layouts ----------------------------------------------------------------------
+
+
+class _Layout:
+    """Offsets over the flattened ``[B * Sq]`` queries and ``[B * Sk]`` keys."""
+
+    __slots__ = ("cu_q", "cu_k", "max_k", "ragged", "plain", "__weakref__")
+
+    def __init__(self, cu_q, cu_k, max_k=None, ragged=True, plain=False):
+        self.cu_q, self.cu_k, self.max_k, self.ragged, self.plain = cu_q, cu_k, max_k, ragged, plain
+
+
+def _cu(lengths: torch.Tensor) -> torch.Tensor:
+    return F.pad(torch.cumsum(lengths.flatten(), 0, dtype=torch.int32), (1, 0))
+
+
+def _runs(valid: torch.Tensor):
+    """Start and count of the valid run of each row of a [B, S] bool mask."""
+    n = valid.sum(-1)
+    start = torch.where(n > 0, torch.argmax(valid.to(torch.int8), dim=-1), torch.zeros_like(n))
+    return start, n
+
+
+def _padded_layout(valid_k: torch.Tensor, sq: int, causal: bool) -> _Layout:
+    """Segments per row without gathering: valid keys must form one run per row.
+
+    Causal self-attention (Sq == Sk): [pad q | pad k | tokens | pad q | pad k], the
+    padding segments see no key, so padded query rows are zeros. Otherwise every
+    query row attends the row's valid run ([pad k | queries + run | pad k]);
+    causal then aligns bottom-right, i.e. the queries are the run's last tokens.
+    """
+    sk = valid_k.shape[-1]
+    start, n = _runs(valid_k)
+    end = start + n
+    zero = torch.zeros_like(n)
+    if causal and sq == sk:
+        lq = torch.stack([start, zero, n, sq - end, zero], 1)
+        lk = torch.stack([zero, start, n, zero, sk - end], 1)
+    else:
+        lq = torch.stack([zero, torch.full_like(n, sq), zero], 1)
+        lk = torch.stack([start, n, sk - end], 1)
+    return _Layout(_cu(lq), _cu(lk))
+
+
+def _check_padded(valid_k: torch.Tensor, sq: int, causal: bool) -> str | None:
+    """Host check that a 2-D mask is a layout (eager only: it reads the mask)."""
+    start, n = _runs(valid_k)
+    idx = torch.arange(valid_k.shape[-1], device=valid_k.device)
+    inside = (idx >= start[:, None]) & (idx < (start + n)[:, None])
+    if not bool(torch.equal(inside, valid_k)):
+        return "non-ragged attention mask"
+    if causal and sq != valid_k.shape[-1] and bool(((start + n) != valid_k.shape[-1]).any()):
+        return "non-ragged attention mask"  # padding after the keys while decoding
+    return None
+
+
+def _assert_padded(valid_k: torch.Tensor, sq: int, causal: bool) -> None:
+    """_check_padded for compiled code: no host read, an error at run time instead
+    of a fallback (a graph cannot choose stock SDPA on the mask's values)."""
+    start, n = _runs(valid_k)
+    sk = valid_k.shape[-1]
+    idx = torch.arange(sk, device=valid_k.device)
+    inside = (idx >= start[:, None]) & (idx < (start + n)[:, None])
+    ok = (inside == valid_k).all()
+    if causal and sq != sk:
+        ok = ok & ((start + n) == sk).all()
+    torch._assert_async(
+        ok, "ragged_compile.hf: attention_mask is not padding (one run of 1s per row) under "
+        "torch.compile; run such masks eagerly or on attn_implementation='sdpa'",
+    )
+
+
+def _position_layout(position_ids: torch.Tensor, b: int, s: int) -> _Layout:
+    """Packed sequences start where positions do not continue (as transformers'
+    find_packed_sequence_indices). Static shape: one segment slot per token,
+    unused slots empty, so new layouts never change shapes."""
+    pos = position_ids.expand(b, s).reshape(b, s)
+    start = torch.ones_like(pos, dtype=torch.bool)
+    start[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    t = b * s
+    idx = torch.arange(t, device=pos.device, dtype=torch.int32)
+    starts = torch.where(start.reshape(t), idx, torch.full_like(idx, t))
+    cu = torch.cat([torch.sort(starts).values, idx.new_full((1,), t)])
+    return _Layout(cu, cu)
+
+
+def _plain_layout(b: int, sq: int, sk: int, device) -> _Layout:
+    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=device)
+    cu_k = cu_q if sk == sq else torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=device)
+    return _Layout(cu_q, cu_k, max_k=sk, plain=True)
+
+
+def _check_4d(mask: torch.Tensor, b: int, sq: int, sk: int, causal: bool):
+    """A 4-D mask as a key padding mask [B, Sk], if it is padding plus optional
+    (bottom-right) causal on every row that is not itself padding; else None."""
+    if mask.shape[0] not in (1, b) or mask.shape[-2] not in (1, sq) or mask.shape[-1] != sk:
+        return None
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.is_floating_point():
+        if not bool(((mask == 0) | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
+            return None  # a bias, not a mask
+        allowed = mask == 0
+    else:
+        return None
+    if allowed.shape[1] != 1 and not bool((allowed == allowed[:, :1]).all()):
+        return None
+    a = allowed[:, 0].expand(b, sq, sk)
+    valid = a.any(1)
+    if _check_padded(valid, sq, False) is not None:
+        return None
+    start, n = _runs(valid)
+    j = torch.arange(sk, device=mask.device)
+    expected = valid[:, None, :].expand_as(a)
+    rows = torch.ones(a.shape[:2], dtype=torch.bool, device=mask.device)
+    if causal:
+        r = torch.arange(sq, device=mask.device)
+        last = (start + n)[:, None] - sq + r[None, :]  # bottom-right: row r sees keys <= last
+        expected = expected & (j[None, None, :] <= last[:, :, None])
+        if sq == sk:
+            rows = valid  # padded query rows are ours to zero
+    if not bool(((a == expected) | ~rows[:, :, None]).all()):
+        return None
+    return valid
+
+
+# Layout cache: once per forward, keyed on the object every layer gets.
+_cache: dict[int, tuple] = {}
+
+
+def _cached(src, extra, build):
+    if src is None or torch.compiler.is_compiling():
+        return build()
+    key = id(src)
+    hit = _cache.get(key)
+    # Inference tensors have no version counter: known by identity alone.
+    version = src._version if isinstance(src, torch.Tensor) and not src.is_inference() else -1
+    if hit is not None and hit[0]() is src and hit[1] == version and hit[2] == extra:
+        return hit[3]
+    value = build()
+    _cache[key] = (weakref.ref(src, lambda _, k=key: _cache.pop(k, None)), version, extra, value)
+    return value
+
+
+_plain: dict[tuple, _Layout] = {}
+
+
+def _plain_cached(b, sq, sk, device) -> _Layout:
+    # The same offsets object for every layer (the CUDA runtime knows it by address).
+    key = (b, sq, sk, device)
+    hit = _plain.get(key)
+    if hit is None:
+        if len(_plain) > 64:
+            _plain.clear()
+        hit = _plain[key] = _plain_layout(b, sq, sk, device)
+    return hit
+
+
+# -- fallback -------------------------------------------------------------------
+
+_warned: set[tuple] = set()
+
+
+def _emit(reason: str, where: str) -> None:
+    if (reason, where) not in _warned:
+        _warned.add((reason, where))
+        log.warning("ragged_compile.hf: %s: %s runs transformers' stock SDPA for these calls", reason, where)
+
+
+def _emit_at_trace(ctx) -> None:
+    # Runs while Dynamo traces _log_once: logs once per compile, no graph break.
+    _emit(ctx.get_local("reason").as_python_constant(), ctx.get_local("where").as_python_constant())
+
+
+def _log_once(reason: str, module) -> None:
+    where = type(module).__name__
+    if torch.compiler.is_compiling():
+        from torch._dynamo.comptime import comptime
+
+        comptime(_emit_at_trace)
+    else:
+        _emit(reason, where)
+
+
+def _dense_from_layout(layout: _Layout, b, sq, sk, causal, window, device) -> torch.Tensor:
+    """[B, 1, Sq, Sk] bool mask of a layout (for stock SDPA), rows without keys all True."""
+    def seg_pos(cu, t):
+        idx = torch.arange(t, device=device)
+        seg = torch.searchsorted(cu[1:].to(torch.int64), idx, right=True)
+        return seg, idx - cu[seg]
+
+    cu_q, cu_k = layout.cu_q.to(device), layout.cu_k.to(device)
+    sq_id, qpos = seg_pos(cu_q, b * sq)
+    sk_id, kpos = seg_pos(cu_k, b * sk)
+    lq = (cu_q[1:] - cu_q[:-1])[sq_id]
+    lk = (cu_k[1:] - cu_k[:-1])[sq_id]
+    qpos = (qpos + lk - lq).view(b, sq, 1)  # bottom-right: in key coordinates
+    kpos = kpos.view(b, 1, sk)
+    allowed = sq_id.view(b, sq, 1) == sk_id.view(b, 1, sk)
+    if causal:
+        allowed = allowed & (kpos <= qpos)
+    if window is not None:
+        dist = qpos - kpos
+        allowed = allowed & ((dist < window) if causal else (dist.abs() < window))
+    empty = ~allowed.any(-1, keepdim=True)
+    return (allowed | empty)[:, None], empty
+
+
+def _stock(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs, reason, layout=None):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    _log_once(reason, module)
+    b, _, sq, _ = query.shape
+    sk = key.shape[2]
+    empty = None
+    if attention_mask is not None and attention_mask.dim() == 4:
+        mask = attention_mask
+    elif attention_mask is not None and attention_mask.dim() == 2:
+        valid = attention_mask.to(torch.bool)
+        j = torch.arange(sk, device=query.device)
+        mask = valid[:, None, :].expand(b, sq, sk)
+        if causal:
+            r = torch.arange(sq, device=query.device) + (sk - sq)
+            mask = mask & (j[None, None, :] <= r[None, :, None])
+        window = kwargs.get("sliding_window")
+        if window is not None:
+            r = torch.arange(sq, device=query.device) + (sk - sq)
+            dist = r[:, None] - j[None, :]
+            mask = mask & ((dist < window) if causal else (dist.abs() < window))
+        empty = ~mask.any(-1, keepdim=True)
+        mask = (mask | empty)[:, None]
+    elif layout is not None and not (layout.plain and sq == sk and kwargs.get("sliding_window") is None):
+        mask, empty = _dense_from_layout(layout, b, sq, sk, causal, kwargs.get("sliding_window"), query.device)
+    else:
+        mask = None
+    kw = {k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "sliding_window", "is_causal")}
+    out, weights = sdpa_attention_forward(
+        module, query, key, value, mask, dropout=dropout, scaling=scaling,
+        is_causal=causal if mask is None else False, **kw,
+    )
+    if empty is not None:
+        out = out.masked_fill(empty[:, :, :, None], 0)  # rows that see no key: zeros, as ours
+    return out, weights
+
+
+# -- the attention function ---------------------------------------------------------
+
+
+def _reason(module, query, key, value, dropout, kwargs) -> str | None:
+    if dropout and dropout > 0 and module.training:
+        return "dropout in training"
+    if kwargs.get("softcap") is not None:
+        return "softcap"
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        return "attention sinks"
+    if kwargs.get("position_bias") is not None:
+        return "position_bias"
+    if kwargs.get("output_attentions"):
+        return "output_attentions"
+    if value.shape[-1] != query.shape[-1] or key.shape[-1] != query.shape[-1]:
+        return "value head dim differs from query head dim"
+    if query.shape[1] % key.shape[1] != 0:
+        return "query heads are not a multiple of key/value heads"
+    why = unsupported_reason(query.device, query.dtype, query.shape[-1])
+    if why is not None:
+        return f"dtype / head dim our op does not take on this device ({why})"
+    return None
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+):
+    """transformers attention function: q ``[B, Hq, Sq, D]``, k/v ``[B, Hkv, Sk, D]``
+    (GQA not expanded) -> ``([B, Sq, Hq, D], None)``."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(causal)
+    b, hq, sq, d = query.shape
+    sk = key.shape[2]
+    compiling = torch.compiler.is_compiling()
+    reason = _reason(module, query, key, value, dropout, kwargs)
+    if reason is None and causal and sq > sk:
+        reason = "non-ragged attention mask"  # more queries than keys: no cache alignment
+
+    # Packing is known without the mask; stock SDPA needs it too (as a dense mask).
+    cu_q = kwargs.get("cu_seq_lens_q")
+    layout = None
+    if cu_q is not None:
+        if b != 1:
+            raise ValueError(
+                f"cu_seq_lens_q describes a packed batch, so the batch dim must be 1, got {b}; "
+                f"pack the sequences along the sequence dim (DataCollatorWithFlattening does)"
+            )
+        cu_k = kwargs.get("cu_seq_lens_k")
+        layout = _Layout(cu_q, cu_q if cu_k is None else cu_k, kwargs.get("max_length_k"))
+    elif attention_mask is None:
+        position_ids = kwargs.get("position_ids")
+        if causal and sq == sk and position_ids is not None and position_ids.shape[-1] == sq:
+            layout = _cached(position_ids, (b, sq), lambda: _position_layout(position_ids, b, sq))
+        else:
+            layout = _plain_layout(b, sq, sk, query.device) if compiling else _plain_cached(b, sq, sk, query.device)
+    if reason is not None:
+        return _stock(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs, reason, layout)
+
+    if layout is not None:
+        pass  # packed, or no mask
+    elif attention_mask.dim() == 2:
+        if attention_mask.shape != (b, sk):
+            reason = "non-ragged attention mask"
+        else:
+            valid = attention_mask.to(torch.bool)
+
+            def build():
+                if compiling:
+                    _assert_padded(valid, sq, causal)
+                why = None if compiling else _check_padded(valid, sq, causal)
+                if why is not None:
+                    return _Layout(None, None, ragged=False)
+                return _padded_layout(valid, sq, causal)
+
+            layout = _cached(attention_mask, (sq, causal), build)
+            if not layout.ragged:
+                reason, layout = "non-ragged attention mask", None
+    elif attention_mask.dim() == 4 and not compiling:
+        def build4():
+            valid = _check_4d(attention_mask, b, sq, sk, causal)
+            return _Layout(None, None, ragged=False) if valid is None else _padded_layout(valid, sq, causal)
+
+        layout = _cached(attention_mask, (sq, sk, causal), build4)
+        if not layout.ragged:
+            reason, layout = "non-ragged attention mask", None
+    elif attention_mask.dim() == 4:
+        reason = "4-D mask under torch.compile (checked for a ragged pattern only in eager)"
+    else:
+        reason = "non-ragged attention mask"
+    if reason is None:
+        window = kwargs.get("sliding_window")
+        if window is not None and not _window_covers(layout, window, compiling):
+            return _stock(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs,
+                          "sliding window shorter than a sequence", layout)
+    if reason is not None:
+        return _stock(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs, reason, layout)
+
+    q = query.transpose(1, 2).reshape(b * sq, hq, d)
+    k = key.transpose(1, 2).reshape(b * sk, key.shape[1], d)
+    v = value.transpose(1, 2).reshape(b * sk, value.shape[1], d)
+    if query.device.type == "cuda" and not compiling:
+        if layout.cu_q.is_inference() or layout.cu_k.is_inference():
+            # The runtime knows offsets by (address, version); inference tensors have
+            # no version. A plain copy, once per forward where the layout is cached.
+            layout = _cached(layout.cu_q, ("plain", id(layout.cu_k)), lambda: _plain_copy(layout))
+        with _cuda_step(query.device):
+            out = ragged_attention(q, k, v, layout.cu_q, layout.cu_k, causal=causal, scale=scaling)
+    else:
+        out = ragged_attention(q, k, v, layout.cu_q, layout.cu_k, causal=causal, scale=scaling)
+    return out.view(b, sq, hq, d), None
+
+
+def _plain_copy(layout: _Layout) -> _Layout:
+    with torch.inference_mode(False):
+        cu_q = layout.cu_q.clone()
+        cu_k = cu_q if layout.cu_k is layout.cu_q else layout.cu_k.clone()
+    return _Layout(cu_q, cu_k, layout.max_k)
+
+
+def _window_covers(layout: _Layout, window: int, compiling: bool) -> bool:
+    """Whether a sliding window spans every segment's keys (then it changes nothing)."""
+    if layout.max_k is not None and not isinstance(layout.max_k, torch.Tensor):
+        return int(layout.max_k) <= window
+    if compiling:
+        return False  # would need the lengths on the host
+    lk = layout.cu_k[1:] - layout.cu_k[:-1]
+    lq = layout.cu_q[1:] - layout.cu_q[:-1]
+    return bool((torch.maximum(lk, lq) <= window).all())
+
+
+# -- CUDA: one runtime step across the layers of a forward ------------------------
+
+_tls = threading.local()
+_STEP_LAYOUTS = 6  # a forward of our models has at most a few layouts
+
+
+class _cuda_step:
+    """Activate one runtime step for every layer of a forward (eager).
+
+    The runtime plans once per layout per step; a step per call would plan, and
+    read the offsets to the host, once per layer. We keep one step per thread
+    and start a new one when it holds many layouts or when anyone else planned
+    on the runtime since our last call (their plans may reuse our wrappers).
+    The step holds every offsets tensor it has seen, so a new forward's offsets
+    never alias an old one's address.
+    """
+
+    def __init__(self, device):
+        from .runtime import _activate, _Step, get_runtime
+
+        rt = get_runtime(device)
+        state = getattr(_tls, "state", None)
+        if (
+            state is None
+            or state[0] is not rt
+            or state[2] != rt.stats["plans"]
+            or len(state[1].by_tensor) >= _STEP_LAYOUTS
+        ):
+            state = [rt, _Step(rt, []), rt.stats["plans"]]
+            _tls.state = state
+        self.state = state
+        self.cm = _activate(state[1])
+
+    def __enter__(self):
+        self.cm.__enter__()
+
+    def __exit__(self, *exc):
+        self.cm.__exit__(*exc)
+        self.state[2] = self.state[0].stats["plans"]

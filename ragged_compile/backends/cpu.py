@@ -1,33 +1,37 @@
 """The op's CPU kernel: PyTorch's fused CPU flash attention over groups of segments.
 
 Forward and backward run ``aten::_scaled_dot_product_flash_attention_for_cpu``
-and its backward (blocked, so memory stays linear in the tokens) on batches of
-segments of similar length:
+and its backward (blocked, so memory stays linear in the tokens; GQA native):
 
-* A plan cuts every segment into *pieces* (the query rows that see a key, with
-  the keys they may see), sorts them by length and groups them greedily: a
-  piece joins the group of a longer one while the padding it costs is cheaper
-  than one more kernel call (~20 us). Long segments run alone, as views of the
-  packed tensors (no copy); thousands of tiny ones run as a few padded batches.
-* Padding goes at the end of each segment and is filled with finite zeros, so
+* A plan (host work, cached for the last few layouts so a backward finds its
+  forward's) cuts every segment into *pieces*: the query rows that see a key,
+  with the keys they may see. Pieces of one shape share a call. Longer than
+  ``_TINY`` tokens they run as views of the packed tensors (no copy): one call
+  per run of back-to-back pieces (a uniform batch is a single call whose output
+  is returned as is), else one per piece. Measured: the kernel's cost per
+  segment hardly falls in a batch, while gathering copies every row. Tiny
+  pieces are gathered into padded batches, a smaller shape joining a larger
+  one while its padding costs less than a call.
+* Padding goes at the end of each segment and is selected to finite zeros, so
   padded rows and keys carry no value of another segment; each segment is its
   own batch element of the fused kernel, which never mixes batch elements.
   Segments are independent bit for bit: a NaN in one reaches no other.
-* Masks: none for causal self-attention (``Lq == Lk``: padding at the end is
-  invisible to real rows under ``is_causal``) nor for groups of equal length;
-  a key-padding row ``[B, 1, 1, Pk]`` otherwise; a full bottom-right mask only
-  for causal pieces with fewer queries than keys, chunked by query rows so it
-  never holds more than ``_BUDGET`` elements. Rows above the causal diagonal
-  of a segment with ``Lq > Lk`` (or of an empty k/v segment) are never computed:
-  their output and gradients are zero.
+* Masks: none for causal pieces with as many queries as keys (padding at the
+  end is invisible to real rows under the kernel's top-left ``is_causal``) nor
+  for equal shapes; a key-padding row ``[B, 1, 1, Pk]`` for merged tiny shapes;
+  a bottom-right mask only for causal pieces with fewer queries than keys,
+  chunked by query rows so it never holds more than ``_BUDGET`` elements. Rows
+  above the causal diagonal of a segment with ``Lq > Lk`` (and rows of an empty
+  k/v segment) are never computed: their output and gradients are zero.
 * bf16/fp16 compute in float32 (copied once) and round once at the end, as the
-  reference kernel does: this CPU (AVX2) has no bf16 matmul, and the fused
-  kernel's low-precision path rounds the probabilities to bf16.
-* Buffers of one group stay under ``_BUDGET`` elements (16 MiB of float32), below
-  glibc's mmap threshold, so freed ones are reused instead of faulted in anew.
+  reference kernel does: the kernel's low-precision path rounds probabilities
+  to bf16 before P @ V, and this CPU (AVX2) has no bf16 matmul to gain from it.
+* Gathered buffers stay small (``_GATHER`` elements): in cache, and below
+  glibc's mmap threshold so freed ones are reused instead of faulted in anew.
 
-The backward recomputes each group's forward (output and log-sum-exp) unless
-the caller passes them, then runs the fused backward on the same groups.
+The backward recomputes each call's forward (output and log-sum-exp) unless
+the caller passes them: the op's autograd saves q, k, v only, and recomputing
+costs ~1.25x forward+backward against a saved LSE (bench/results/cpu.md).
 """
 
 from __future__ import annotations

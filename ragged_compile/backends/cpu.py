@@ -6,7 +6,7 @@ and its backward (blocked, so memory stays linear in the tokens; GQA native):
 * A plan (host work, cached for the last few layouts so a backward finds its
   forward's) cuts every segment into *pieces*: the query rows that see a key,
   with the keys they may see. Pieces of one shape share a call. Longer than
-  ``_TINY`` tokens they run as views of the packed tensors (no copy): one call
+  ``_TINY`` (16) tokens they run as views of the packed tensors (no copy): one call
   per run of back-to-back pieces (a uniform batch is a single call whose output
   is returned as is), else one per piece. Measured: the kernel's cost per
   segment hardly falls in a batch, while gathering copies every row. Tiny
@@ -59,10 +59,10 @@ _BUDGET = 1 << 22  # elements of one causal mask chunk (rows x keys)
 # score-head-dims per us forward, ~3.5x that time forward+backward: padding
 # that costs less than a call is ~1.5e5 score-head-dims.
 _MERGE = 1.5e5
-# Gathering copies q, k, v and the output (~0.3 us per row of 8 x 64 each, more
-# rows than a call's ~12 us of fixed cost saves beyond 8 tokens): longer
-# pieces run as views of the packed tensors instead.
-_TINY = 8
+# Gathering copies q, k, v and the output (~0.3 us per row of 8 x 64 each);
+# past ~16 tokens that costs more than the calls it saves (measured on 256
+# segments of 1..32 tokens: 8 and 2 were slower), so longer pieces run as views.
+_TINY = 16
 _PLANS = 8  # layouts whose plans are kept
 
 

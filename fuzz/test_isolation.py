@@ -7,6 +7,7 @@ for bit: on the op's CPU kernel (through autograd) and on the reference kernel.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -41,19 +42,32 @@ def _bits(x):
     return x.contiguous().view(_INT[x.dtype])
 
 
-@settings(max_examples=scaled_examples(0.2, minimum=20))
-@given(
-    case=attention_cases(
-        dtypes_=(torch.float32, torch.bfloat16, torch.float16),
+def _cases(dtypes):
+    return attention_cases(
+        dtypes_=dtypes,
         head_dims_=(8, 16, 72),
         max_segments=10,
         max_len=40,
         max_elements=1 << 13,
         max_tiny_segments=300,
-    ),
-    data=st.data(),
-)
+    )
+
+
+@settings(max_examples=scaled_examples(0.2, minimum=20))
+@given(case=_cases((torch.float32, torch.bfloat16, torch.float16)), data=st.data())
 def test_poison_one_segment(case, data):
+    _check_isolation(case, data, KERNELS, "cpu")
+
+
+@pytest.mark.cuda
+@settings(max_examples=scaled_examples(0.2, minimum=20))
+@given(case=_cases((torch.bfloat16, torch.float16)), data=st.data())
+def test_poison_one_segment_cuda(case, data):
+    """The op on CUDA (FlashInfer forward, and whatever backward the op has there)."""
+    _check_isolation(case, data, {"op (CUDA)": _op}, "cuda")
+
+
+def _check_isolation(case, data, kernels, device):
     lq, lk = case.q_lens, case.kv_lens
     # Which tensor, which segment, where, what.
     choices = [(t, i) for i in range(case.n) for t in ("q", "go") if lq[i]]
@@ -64,9 +78,8 @@ def test_poison_one_segment(case, data):
     firsts = [c for c in choices if c[1] == min(i for t, i in choices if t == c[0])]
     which, seg = data.draw(st.one_of(st.sampled_from(firsts), st.sampled_from(choices)), label="tensor, segment")
     poison = data.draw(st.sampled_from((float("nan"), float("inf"), float("-inf"))), label="value")
-    inputs = case.tensors()
-    q, k, v, cu_q, cu_k = inputs
-    go = torch.randn(q.shape, generator=torch.Generator().manual_seed(case.seed + 1)).to(q.dtype)
+    q, k, v, cu_q, cu_k = case.tensors(device)
+    go = torch.randn(q.shape, generator=torch.Generator().manual_seed(case.seed + 1)).to(device, q.dtype)
     clean = dict(q=q, k=k, v=v, go=go)
     lens = lq if which in ("q", "go") else lk
     start = (cu_q if which in ("q", "go") else cu_k)[seg].item()
@@ -77,12 +90,12 @@ def test_poison_one_segment(case, data):
     dirty[which][row, head, col] = poison
 
     # Rows of every other segment, on the q side and on the k/v side.
-    others_q = torch.ones(q.shape[0], dtype=torch.bool)
+    others_q = torch.ones(q.shape[0], dtype=torch.bool, device=device)
     others_q[cu_q[seg] : cu_q[seg + 1]] = False
-    others_k = torch.ones(k.shape[0], dtype=torch.bool)
+    others_k = torch.ones(k.shape[0], dtype=torch.bool, device=device)
     others_k[cu_k[seg] : cu_k[seg + 1]] = False
     scale = case.effective_scale
-    for name, kernel in KERNELS.items():
+    for name, kernel in kernels.items():
         a = kernel(clean["q"], clean["k"], clean["v"], clean["go"], cu_q, cu_k, case.causal, scale)
         b = kernel(dirty["q"], dirty["k"], dirty["v"], dirty["go"], cu_q, cu_k, case.causal, scale)
         for label, x, y, rows in zip(("out", "dq", "dk", "dv"), a, b, (others_q, others_q, others_k, others_k)):

@@ -47,6 +47,7 @@ def _cases(dtypes):
         dtypes_=dtypes,
         head_dims_=(8, 16, 72),
         max_segments=10,
+        min_segments=2,
         max_len=40,
         max_elements=1 << 13,
         max_tiny_segments=300,

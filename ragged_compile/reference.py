@@ -1,6 +1,9 @@
 """Reference kernel: exact per-segment attention, float32 accumulation, any device.
 
-The oracle every other kernel is tested against, and the CPU kernel of the op.
+The oracle every other kernel is tested against (the op's CPU kernel is
+backends/cpu.py; ``RAGGED_COMPILE_REFERENCE=1`` makes the op run this one).
+Segments are isolated: padding is selected to zero before any arithmetic, so a
+NaN or inf in one segment changes no value of another, forward or backward.
 
 Cost: ``O(sum_i Lq_i * Lk_i * Hq * D)`` multiply-adds, at most 4x that after
 padding, plus one Python iteration per *group* of segments rather than per
@@ -108,10 +111,16 @@ def sees_key(cu_q, cu_k, rows: int, causal: bool) -> torch.Tensor:
     return mask
 
 
+def _rows(x, pos, valid):
+    # Padding positions gather token 0, which may belong to another segment.
+    # Select zeros there before any matmul: 0 * NaN is NaN, so masking products
+    # afterwards (or by multiplying with 0) would carry its NaN/inf into this
+    # segment's scores, outputs and gradients.
+    return torch.where(valid[:, :, None, None], x[pos], 0)
+
+
 def _gather_kv(k, v, kpos, kvalid):
-    # Padding positions gather token 0, which may belong to another segment: zero
-    # them in v, or a NaN/inf there would leak through 0 * v into this segment.
-    return k[kpos], v[kpos].masked_fill(~kvalid[:, :, None, None], 0)
+    return _rows(k, kpos, kvalid), _rows(v, kpos, kvalid)
 
 
 def reference_attention(
@@ -135,7 +144,7 @@ def reference_attention(
     out = torch.zeros(Tq, Hq, D, dtype=q.dtype, device=q.device)
     for qpos, qvalid, kpos, kvalid, allowed in _chunks(q, k, v, cu_seqlens_q, cu_seqlens_k, causal):
         kg, vg = _gather_kv(k, v, kpos, kvalid)
-        qh, kh, vh = _heads(q[qpos], kg, vg, acc)
+        qh, kh, vh = _heads(_rows(q, qpos, qvalid), kg, vg, acc)
         o = _unheads(torch.matmul(_probs(qh, kh, allowed, scale), vh), *qpos.shape, Hq, D)
         out[qpos[qvalid]] = o[qvalid].to(q.dtype)
     return out
@@ -156,8 +165,8 @@ def reference_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, 
     for qpos, qvalid, kpos, kvalid, allowed in _chunks(q, k, v, cu_seqlens_q, cu_seqlens_k, causal):
         G, R = qpos.shape
         kg, vg = _gather_kv(k, v, kpos, kvalid)
-        go = grad_out[qpos].masked_fill(~qvalid[:, :, None, None], 0)  # padding rows: no gradient
-        qh, kh, vh = _heads(q[qpos], kg, vg, acc)
+        go = _rows(grad_out, qpos, qvalid)  # padding rows: no gradient
+        qh, kh, vh = _heads(_rows(q, qpos, qvalid), kg, vg, acc)
         goh = _heads(go, kg, vg, acc)[0]
         p = _probs(qh, kh, allowed, scale)
         o = torch.matmul(p, vh)

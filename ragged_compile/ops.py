@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from .backends.cpu import cpu_attention, cpu_attention_backward
+from .backends.cpu import takes as cpu_takes
 from .reference import reference_attention, reference_attention_backward
 from .runtime import get_runtime
 from .train_ops import attention as _dispatch  # inference op, or the training pair (train_ops.py)
@@ -161,14 +161,9 @@ def _ragged_attention(
     # kernel of their own (MPS, ...), float64 and RAGGED_COMPILE_REFERENCE=1 run the reference.
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
     check_values(q, k, cu_seqlens_q, cu_seqlens_k)
-    if _fast_cpu(q):
+    if cpu_takes(q):
         return cpu_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
     return reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
-
-
-def _fast_cpu(q: torch.Tensor) -> bool:
-    # The reference stays the oracle, reachable for debugging with the variable set.
-    return q.device.type == "cpu" and q.dtype != torch.float64 and not os.environ.get("RAGGED_COMPILE_REFERENCE")
 
 
 @_ragged_attention.register_fake
@@ -223,7 +218,7 @@ def _ragged_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # One opaque op so AOTAutograd traces the backward graph without reading
     # offsets: the fused CPU kernel on CPU, the reference's exact gradients elsewhere.
-    if _fast_cpu(q):
+    if cpu_takes(q):
         return cpu_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
     return reference_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
 

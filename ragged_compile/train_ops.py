@@ -14,8 +14,9 @@ needs gradients, :func:`attention` routes it to the pair of ops defined here:
   PyTorch's FlashAttention-2 varlen backward (backends/flash_backward.py) on
   CUDA, the reference kernel's exact gradients elsewhere.
 
-Both have CPU kernels (the reference kernel, an exact LSE) so that schemas, fake
-kernels and autograd are checked by ``torch.library.opcheck`` anywhere.
+On CPU the pair runs the fused CPU kernel (backends/cpu.py), whose backward
+then reuses the forward's LSE; float64 and devices without a kernel of their
+own run the reference kernel with an exact LSE.
 This mirrors ``torch/nn/attention/varlen.py`` (forward op returning auxiliary
 outputs, a backward custom op with a fake kernel, ``register_autograd``).
 """
@@ -27,6 +28,7 @@ import math
 
 import torch
 
+from .backends import cpu as cpu_kernel
 from .backends import flash_backward
 from .reference import reference_attention, reference_attention_backward
 from .runtime import get_runtime
@@ -73,24 +75,30 @@ def _warn_once(reason: str) -> bool:
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float) -> torch.Tensor:
-    """The op a call should run: the training pair when a CUDA call needs
-    gradients and the fused kernels take it, else ``ragged_attention``.
+    """The op a call should run: the LSE pair when the call needs gradients
+    and a kernel of its own takes it, else ``ragged_attention``.
+
+    * CUDA: FlashInfer's forward with its LSE and FlashAttention-2's backward.
+    * CPU: the fused CPU kernel (backends/cpu.py) saves its LSE, so the
+      backward does not redo the forward (a quarter of forward+backward on
+      long segments).
 
     Inference (no grad mode, or nothing requires grad) never pays for the LSE.
     """
-    if (
-        q.device.type == "cuda"
-        and torch.is_grad_enabled()
-        and (q.requires_grad or k.requires_grad or v.requires_grad)
-    ):
-        reason = training_unsupported_reason(q.device, q.dtype, q.shape[-1])
-        if reason is None:
-            out, _, _ = torch.ops.ragged_compile.ragged_attention_lse(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale
-            )
-            return out
-        _warn_once(reason)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if q.device.type == "cuda":
+            reason = training_unsupported_reason(q.device, q.dtype, q.shape[-1])
+            if reason is None:
+                return _with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+            _warn_once(reason)
+        elif cpu_kernel.takes(q):
+            return _with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
     return torch.ops.ragged_compile.ragged_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+
+
+def _with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
+    out, _, _ = torch.ops.ragged_compile.ragged_attention_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    return out
 
 
 def reference_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float) -> torch.Tensor:
@@ -134,12 +142,17 @@ def _attention_lse(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # Devices without a kernel of their own: the reference kernel, an exact LSE.
+    # CPU: the fused CPU kernel; devices without a kernel of their own, float64
+    # and RAGGED_COMPILE_REFERENCE=1: the reference kernel and an exact LSE.
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
     check_cu_seqlens_values(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
     check_cu_seqlens_values(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
-    out = reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
-    lse = reference_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    if cpu_kernel.takes(q):
+        out, lse = cpu_kernel.cpu_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, return_lse=True)
+        lse = lse.t().contiguous()  # [Tq, Hq] -> the backward's [Hq, Tq]
+    else:
+        out = reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+        lse = reference_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal, scale)
     return out, lse, _max_lens(cu_seqlens_q, cu_seqlens_k)
 
 
@@ -192,6 +205,10 @@ def _attention_lse_backward(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if cpu_kernel.takes(q):
+        return cpu_kernel.cpu_attention_backward(
+            grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, out=out, lse=lse.t()
+        )
     return reference_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
 
 

@@ -186,18 +186,43 @@ def test_unsupported_reasons_name_the_limit():
     assert "symbolic" in train_ops.training_unsupported_reason(cuda, torch.bfloat16, object())
 
 
-def test_cpu_calls_with_grad_keep_the_inference_op():
-    """The training pair is for CUDA: a CPU call keeps ragged_attention (and its
-    reference backward), whose graph holds no LSE op."""
+def _targets(fn, *args):
+    gm = torch.fx.experimental.proxy_tensor.make_fx(fn)(*args)
+    return {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def test_cpu_calls_with_grad_save_the_lse_and_inference_never_does():
+    """A CPU call that needs gradients runs the LSE pair on the fused CPU kernel
+    (its backward reuses the forward's LSE); float64 (the reference's dtype) and
+    calls without grad keep the inference op, whose graph holds no LSE op."""
     import ragged_compile as rc
 
     q, k, v, cq, ck = _inputs([3, 2], [3, 2])
-    gm = torch.fx.experimental.proxy_tensor.make_fx(
-        lambda q, k, v: rc.ragged_attention(q, k, v, cq, ck)
-    )(q, k, v)
-    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
-    assert "ragged_compile.ragged_attention.default" in targets
-    assert not any("lse" in t for t in targets)
+    call = lambda q, k, v: rc.ragged_attention(q, k, v, cq, ck)  # noqa: E731
+    assert "ragged_compile.ragged_attention_lse.default" in _targets(call, q, k, v)
+    with torch.no_grad():
+        no_grad = _targets(call, q, k, v)
+    assert "ragged_compile.ragged_attention.default" in no_grad
+    assert not any("lse" in t for t in no_grad)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    f64 = _targets(call, q64, k64, v64)
+    assert "ragged_compile.ragged_attention.default" in f64 and not any("lse" in t for t in f64)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_lse_pair_gradients_match_the_inference_op(causal):
+    import ragged_compile as rc
+
+    lq, lk = [5, 0, 17, 1, 30], ([5, 3, 17, 1, 30] if causal else [2, 3, 40, 0, 9])
+    q, k, v, cq, ck = _inputs(lq, lk)
+    out = rc.ragged_attention(q, k, v, cq, ck, causal=causal)
+    go = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), go)
+    ref_out = torch.ops.ragged_compile.ragged_attention(q, k, v, cq, ck, causal, q.shape[-1] ** -0.5)
+    want = torch.autograd.grad(ref_out, (q, k, v), go)
+    torch.testing.assert_close(out, ref_out)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 # -- the varlen passes on training graphs --------------------------------------

@@ -35,7 +35,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ragged_compile as rc  # noqa: E402
-from ragged_compile.backends.cpu import cpu_attention, cpu_attention_backward  # noqa: E402
 from env import environment  # noqa: E402
 
 
@@ -108,27 +107,10 @@ def contenders(lq, lk, causal, hq, hkv):
         )
         return o.transpose(1, 2).flatten(0, 1).index_select(0, src_q)
 
-    class SavedLse(torch.autograd.Function):
-        # The op's backward recomputes each call's forward (its autograd saves
-        # q, k, v only); this is the same kernel with the forward's LSE saved.
-        @staticmethod
-        def forward(ctx, q, k, v):
-            out, lse = cpu_attention(q, k, v, cq, ck, causal, q.shape[-1] ** -0.5, return_lse=True)
-            ctx.save_for_backward(q, k, v, out, lse)
-            return out
-
-        @staticmethod
-        def backward(ctx, go):
-            q, k, v, out, lse = ctx.saved_tensors
-            return cpu_attention_backward(go, q, k, v, cq, ck, causal, q.shape[-1] ** -0.5, out=out, lse=lse)
-
-    return {"ours": ours, "loop": loop, "padded": padded, "ours_lse_saved": SavedLse.apply}
+    return {"ours": ours, "loop": loop, "padded": padded}
 
 
 def measure(fns, make, mode, rounds, budget_s, clock):
-    if mode == "fwd":
-        fns = {k: f for k, f in fns.items() if k != "ours_lse_saved"}  # same forward as ours
-
     def run(fn):
         q, k, v, go = make()
         if mode == "fwd":
@@ -195,12 +177,8 @@ def main(argv=None):
             stock = min(best["loop"], best["padded"])
             row[mode] = {k: round(v, 3) for k, v in best.items()}
             row[mode]["ratio"] = round(best["ours"] / stock, 3)
-            extra = ""
-            if "ours_lse_saved" in best:
-                row[mode]["ratio_lse_saved"] = round(best["ours_lse_saved"] / stock, 3)
-                extra = f"  lse saved {best['ours_lse_saved']:8.2f} ({row[mode]['ratio_lse_saved']:.2f})"
             print(f"{name:26s} causal={causal!s:5s} {mode:8s} ours {best['ours']:8.2f} ms  "
-                  f"loop {best['loop']:8.2f}  padded {best['padded']:8.2f}  ratio {row[mode]['ratio']:.2f}{extra}",
+                  f"loop {best['loop']:8.2f}  padded {best['padded']:8.2f}  ratio {row[mode]['ratio']:.2f}",
                   flush=True)
         results.append(row)
     env = environment()
@@ -216,21 +194,20 @@ def main(argv=None):
         f"torch {env['torch']}, {env['threads']} thread(s), {env['cpu_capability']}, {args.clock} clock, "
         f"load average {env['load_average'][0]:.1f} at the end, {env['date']}. "
         "fp32 unless noted, head dim 64. "
-        "`ratio` = ours / faster of loop and padded (below 1: ours faster). `lse saved`: the same kernel "
-        "with the forward's log-sum-exp kept for the backward, which the op's autograd does not do yet "
-        "(its backward recomputes the forward). "
+        "`ratio` = ours / faster of loop and padded (below 1: ours faster). Ours is the public "
+        "`ragged_attention`; with grad it saves the forward's log-sum-exp for the backward. "
         f"Produced by `PYTHONPATH=. python bench/bench_cpu.py {' '.join(argv if argv is not None else sys.argv[1:])}`.",
         "",
         "| layout | causal | heads | dtype | fwd ours | loop | padded | **ratio** "
-        "| fwd+bwd ours | loop | padded | **ratio** | lse saved | ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fwd+bwd ours | loop | padded | **ratio** |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         a, b = r["fwd"], r["fwd+bwd"]
         lines.append(
             f"| {r['layout']} | {r['causal']} | {r['heads']} | {r['dtype']} | {a['ours']:.2f} | {a['loop']:.2f} | "
             f"{a['padded']:.2f} | **{a['ratio']:.2f}** | {b['ours']:.2f} | {b['loop']:.2f} | {b['padded']:.2f} | "
-            f"**{b['ratio']:.2f}** | {b['ours_lse_saved']:.2f} | {b['ratio_lse_saved']:.2f} |"
+            f"**{b['ratio']:.2f}** |"
         )
     with open(os.path.join(args.out, "cpu.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -282,15 +282,18 @@ def _ragged_sdpa(
         try:
             return stock()
         except Exception as e:
-            # Under Dynamo a stock failure surfaces as "RuntimeError when making fake
-            # tensor call" with our reason nowhere. NotImplementedError makes Dynamo
-            # break the graph here (the call then runs eagerly, where stock may work)
-            # or, with fullgraph=True, fail with this message.
-            raise NotImplementedError(
+            # Under Dynamo a stock failure surfaces as "... when making fake tensor
+            # call" with our reason nowhere: put it first. Exception types Dynamo
+            # acts on (fake-tensor ones graph-break, and the call then runs eagerly
+            # as with plain torch.compile) keep their type and get it as a note.
+            msg = (
                 f"ragged_compile: this scaled_dot_product_attention call is left to stock "
-                f"NJT SDPA because {reason}, and stock cannot trace it here: "
-                f"{type(e).__name__}: {e}"
-            ) from e
+                f"NJT SDPA because {reason}, and stock cannot trace it here: {e}"
+            )
+            if type(e) in (RuntimeError, ValueError, TypeError):
+                raise type(e)(msg) from e
+            e.add_note(msg)
+            raise
     return _on_our_op(query, key, value, is_causal, scale)
 
 
@@ -335,15 +338,21 @@ def _padded_sdpa(query, key, value, dropout_p, is_causal, scale, enable_gqa) -> 
     """
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     _check_layouts(q, k, v, is_causal)
-    hq, d = q.size(2), q.size(3)
+
+    def rows(nt: NestedTensor, longest):  # token t of segment b -> row b * longest + (t - offsets[b])
+        cu = nt._offsets
+        tokens = torch.arange(nt.values().size(0), device=cu.device)
+        segment = torch.searchsorted(cu, tokens, right=True) - 1
+        return segment * longest + (tokens - cu[segment])
 
     def padded(nt: NestedTensor):  # [B, j, H, D] -> [B, H, S, D], S its longest segment
         n = nt._maybe_max_seqlen
         if n is None:
             n = int((nt._offsets[1:] - nt._offsets[:-1]).max()) if nt.size(0) else 0
         values = nt.values()
-        dense = torch.ops.aten._jagged_to_padded_dense_forward(values.flatten(1), [nt._offsets], [n], 0.0)
-        return dense.unflatten(-1, values.shape[1:]).transpose(1, 2), n
+        # index_copy / index_select, not the jagged<->padded ops: those have no derivative.
+        dense = values.new_zeros((nt.size(0) * n, *values.shape[1:])).index_copy(0, rows(nt, n), values)
+        return dense.unflatten(0, (nt.size(0), n)).transpose(1, 2), n
 
     qd, sq = padded(q)
     kd, sk = padded(k)
@@ -358,11 +367,10 @@ def _padded_sdpa(query, key, value, dropout_p, is_causal, scale, enable_gqa) -> 
     )
     # A row that sees no key is NaN or zero depending on the SDPA backend; ours is zero.
     out = torch.where(mask.any(-1, keepdim=True), out, 0.0)
-    packed = torch.ops.aten._padded_dense_to_jagged_forward(
-        out.transpose(1, 2).flatten(2), [q._offsets], q.values().size(0)
-    )
+    cu_q = q._offsets
+    packed = out.transpose(1, 2).flatten(0, 1).index_select(0, rows(q, sq))  # [Tq, Hq, D]
     out = nested_view_from_values_offsets_lengths(
-        packed.unflatten(-1, (hq, d)), q._offsets, None,
+        packed, cu_q, None,
         min_seqlen=q._maybe_min_seqlen, max_seqlen=q._maybe_max_seqlen,
     )
     return out.transpose(1, 2)

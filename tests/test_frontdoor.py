@@ -512,3 +512,53 @@ def test_compile_logs_no_cache_key_traceback(caplog, monkeypatch, tmp_path):
         with caplog.at_level(logging.WARNING):
             torch.compile(lambda t: t * 2 + 1)(x)
     assert any("Failed to pickle cache key" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------- CUDA (run on a GPU machine)
+
+
+def _cuda_pair():
+    torch.manual_seed(0)
+    a = SelfAttentionLayer(256, 4).to("cuda", torch.float16).eval()  # head dim 64
+    b = SelfAttentionLayer(256, 4).to("cuda", torch.float16).eval()
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_plain_first_then_rc_runs_our_op():
+    """Issue 10 item 1, reverse direction: torch.compile(stock model) first, then
+    ragged_compile.compile(model of the same class) must compile its own graph on our op."""
+    from torch._inductor.utils import run_and_get_code
+
+    stock_model, model = _cuda_pair()
+    x = njt([5, 17, 1, 9], 256).to("cuda", torch.float16)
+    with torch.no_grad():
+        plain_out, plain_codes = run_and_get_code(torch.compile(stock_model), x)
+        assert "ragged_compile" not in "\n".join(plain_codes)
+        out, codes = run_and_get_code(ragged_compile.compile(model, fullgraph=True), x)
+        code = "\n".join(codes)
+        assert code.count("torch.ops.ragged_compile.ragged_attention.default(") == 1
+        assert "_flash_attention_forward" not in code and "_efficient_attention_forward" not in code
+        torch.testing.assert_close(out.values(), plain_out.values(), atol=2e-2, rtol=2e-2)
+        # and the plain one still runs stock afterwards (no recompile onto ours)
+        again, again_codes = run_and_get_code(torch.compile(stock_model), x)
+        assert "ragged_compile" not in "\n".join(again_codes)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rc_first_then_plain_runs_stock():
+    from torch._inductor.utils import run_and_get_code
+
+    model, stock_model = _cuda_pair()
+    x = njt([5, 17, 1, 9], 256).to("cuda", torch.float16)
+    with torch.no_grad():
+        _, codes = run_and_get_code(ragged_compile.compile(model), x)
+        assert "ragged_compile.ragged_attention" in "\n".join(codes)
+        with ragged_compile.enable():  # enable() does not reach into plain torch.compile
+            _, plain_codes = run_and_get_code(torch.compile(stock_model), x)
+    plain = "\n".join(plain_codes)
+    assert "ragged_compile" not in plain
+    assert "_flash_attention_forward" in plain or "_efficient_attention_forward" in plain

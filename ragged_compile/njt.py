@@ -103,7 +103,14 @@ def enable() -> Iterator[None]:
     ``torch.compile`` runs stock attention whether it was traced or called
     inside this context or not (a warning says so once), because Dynamo's cache
     cannot tell the two apart and would hand code traced here to calls outside.
-    Compile with :func:`ragged_compile.compile` for our op in compiled code.
+    What such a model runs eagerly (around graph breaks) follows this context
+    like any eager code. Compile with :func:`ragged_compile.compile` for our op
+    in compiled code.
+
+    With ``dropout_p > 0`` our op cannot serve the call: on CPU it runs dense
+    SDPA with dropout over padded segments (:func:`_padded_sdpa`), elsewhere
+    stock NJT SDPA; either way a warning says so once. Indivisible head counts
+    raise an error naming ``enable_gqa`` instead of stock's matmul error.
     """
     install()
     token = _ENABLED.set(True)
@@ -179,7 +186,8 @@ _seen_per_compile: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _stock_reason(query, key, value, attn_mask, is_causal, enable_gqa) -> str | None:
     """Why this SDPA call must stay stock, or None. Metadata only: safe under Dynamo.
 
-    Dropout is decided by the caller (see :func:`_ragged_sdpa`).
+    Dropout is decided by the caller (see :func:`_ragged_sdpa`). Head counts that
+    no grouping can serve raise here, since stock's error would not say why.
     """
     if not all(isinstance(t, NestedTensor) for t in (query, key, value)):
         return "q, k and v are not all nested jagged tensors"

@@ -3,33 +3,46 @@
 Hook level: ``F.scaled_dot_product_attention`` on NJTs reaches
 ``NestedTensor.__torch_function__`` -> ``torch.nested._internal.ops.jagged_torch_function``,
 which looks up ``jagged_scaled_dot_product_attention`` as a module global on every
-call. :func:`enable` swaps that global for :func:`_ragged_sdpa`. It is the one
-level that sees NJT SDPA eagerly and under ``torch.compile`` on every device.
-Dynamo records NJT SDPA as a single graph node and calls the handler to
-propagate fake NJTs; AOTAutograd calls it again while tracing, so our op (not
-flash or math) is what lands in the aten graph Inductor compiles. Anything
-later is too late on CPU: the stock handler picks MATH, whose
+call. On first use we replace that global, once and for good, with
+:func:`_ragged_sdpa`. It is the one level that sees NJT SDPA eagerly and under
+``torch.compile`` on every device. Dynamo records NJT SDPA as a single graph node
+and calls the handler to propagate fake NJTs; AOTAutograd calls it again while
+tracing, so our op (not flash or math) is what lands in the aten graph Inductor
+compiles. Anything later is too late on CPU: the stock handler picks MATH, whose
 ``_nested_tensor_from_tensor_list`` has no fake kernel, so compiling fails before
 Inductor runs. A ``TorchFunctionMode`` instead makes Dynamo trace every NJT
 method through the mode, which breaks on NJT's own ``super()`` calls.
 
-Calls the op cannot represent go to the handler that was installed before us,
-so stock behaviour (including stock errors) is kept for them.
+Who gets our op is decided per call, never by swapping globals, so threads and
+plain ``torch.compile`` next to ours each get what they asked for:
+
+* while Dynamo compiles (on this thread), by the backend it compiles for: only
+  :func:`ragged_compile.compile`'s backend gets our op. Dynamo keys its cache on
+  the backend, so code compiled for ours is never run by a plain
+  ``torch.compile`` and the other way round;
+* otherwise (eager) by a context variable that :func:`enable` sets, per thread
+  and per ``contextvars`` context.
+
+Everything else goes to the handler that was installed before us, called
+exactly as without ragged_compile (including stock errors).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import sys
+import threading
 import weakref
 from collections.abc import Iterator
 
 import torch
+import torch._dynamo.symbolic_convert as _dynamo_tx
 import torch.nested._internal.ops as _njt_ops
+import torch.nn.functional as F
 from torch import Tensor
-from torch._inductor import config as _inductor_config
 from torch.nested._internal.nested_tensor import (
     NestedTensor,
     nested_view_from_values_offsets_lengths,
@@ -37,63 +50,101 @@ from torch.nested._internal.nested_tensor import (
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.ragged_compile.ragged_attention)
 from .ops import unsupported_reason
-from .passes import RaggedAttentionPasses, ragged_attention_passes
 from .train_ops import attention, training_unsupported_reason
 
 __all__ = ["enable", "is_enabled"]
 
 log = logging.getLogger("ragged_compile")
 
-# The handler checks it too, for anyone who kept a reference to the handler.
-_ENABLED = False
+# Eager calls in this context run on our op (set by enable()).
+_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("ragged_compile_enabled", default=False)
 # The handler we replaced; every call we do not take goes there.
-_previous = _njt_ops.jagged_scaled_dot_product_attention
+_stock = _njt_ops.jagged_scaled_dot_product_attention
+_install_lock = threading.Lock()
 
 
 def is_enabled() -> bool:
-    """Whether NJT SDPA currently runs on ragged_compile's op."""
-    return _ENABLED
+    """Whether eager NJT SDPA in this thread / context runs on ragged_compile's op."""
+    return _ENABLED.get()
+
+
+def install() -> None:
+    """Put :func:`_ragged_sdpa` in NJT's handler slot, once (idempotent, thread-safe).
+
+    Outside :func:`enable` and :func:`ragged_compile.compile` it calls the
+    handler it replaced with the same arguments, so nothing changes for anyone
+    else. Should other code replace the slot later, the next use installs us
+    again in front of it.
+    """
+    global _stock
+    if _njt_ops.jagged_scaled_dot_product_attention is _ragged_sdpa:
+        return
+    with _install_lock:
+        current = _njt_ops.jagged_scaled_dot_product_attention
+        if current is not _ragged_sdpa:
+            _stock = current
+            _njt_ops.jagged_scaled_dot_product_attention = _ragged_sdpa
 
 
 @contextlib.contextmanager
 def enable() -> Iterator[None]:
-    """Run NJT ``F.scaled_dot_product_attention`` and varlen attention on our op.
+    """Run eager NJT ``F.scaled_dot_product_attention`` on our op, in this context.
 
-    Inside the context, eager or compiled:
+    Inside the context, SDPA over NJTs in the ``[B, H, j, D]`` layout
+    (``.transpose(1, 2)`` of the jagged ``[B, j, H, D]``) calls
+    ``ragged_compile::ragged_attention`` on the packed values and the NJT offsets
+    as they are: self- and cross-attention, ``is_causal`` (where it means what
+    SDPA means) and ``enable_gqa``. Everything else keeps stock behaviour.
 
-    * SDPA over NJTs in the ``[B, H, j, D]`` layout (``.transpose(1, 2)`` of the
-      jagged ``[B, j, H, D]``) calls ``ragged_compile::ragged_attention`` on the
-      packed values and the NJT offsets as they are: self- and cross-attention,
-      ``is_causal`` (where it means what SDPA means) and ``enable_gqa``.
-    * Inductor's post-grad passes rewrite varlen flash / efficient attention
-      and ``varlen_attn`` nodes (see :mod:`ragged_compile.passes`).
+    The switch is a ``contextvars.ContextVar``: it holds for this thread (and
+    this asyncio task) only, nests, and is restored on exit whatever other
+    threads do. Nothing process-wide is swapped.
 
-    Everything else keeps stock behaviour. On exit the NJT SDPA handler, the
-    Inductor pass slot and our flag are restored exactly (process-wide, not
-    thread-safe, like any config patch). Like a config patch, it acts when code
-    is traced: Dynamo does not guard on it, so a function compiled inside keeps
-    the rewrite when called outside (same results, our op) and one compiled
-    before keeps stock code until it recompiles. :func:`ragged_compile.compile`
-    enters this context around every call, so it never mixes the two.
+    It does not reach into ``torch.compile``: code compiled by plain
+    ``torch.compile`` runs stock attention whether it was traced or called
+    inside this context or not (a warning says so once), because Dynamo's cache
+    cannot tell the two apart and would hand code traced here to calls outside.
+    What such a model runs eagerly (around graph breaks) follows this context
+    like any eager code. Compile with :func:`ragged_compile.compile` for our op
+    in compiled code.
+
+    With ``dropout_p > 0`` our op cannot serve the call: on CPU it runs dense
+    SDPA with dropout over padded segments (:func:`_padded_sdpa`), elsewhere
+    stock NJT SDPA; either way a warning says so once. Indivisible head counts
+    raise an error naming ``enable_gqa`` instead of stock's matmul error.
     """
-    global _ENABLED, _previous
-    saved = (_ENABLED, _previous, _njt_ops.jagged_scaled_dot_product_attention)
-    user_pass = _inductor_config.post_grad_custom_post_pass
-    ours = user_pass
-    if not isinstance(ours, RaggedAttentionPasses):
-        ours = ragged_attention_passes(user_pass, extra_uuid=_handler_uuid())
-    if saved[2] is not _ragged_sdpa:
-        _previous = saved[2]
-    # Plain set/restore, as inductor_config.patch() does, at a fraction of its
-    # cost: compile() enters this context on every call.
-    _inductor_config.post_grad_custom_post_pass = ours
-    _njt_ops.jagged_scaled_dot_product_attention = _ragged_sdpa
-    _ENABLED = True
+    install()
+    token = _ENABLED.set(True)
     try:
         yield
     finally:
-        _ENABLED, _previous, _njt_ops.jagged_scaled_dot_product_attention = saved
-        _inductor_config.post_grad_custom_post_pass = user_pass
+        _ENABLED.reset(token)
+
+
+def _compiling_for() -> tuple[bool, bool]:
+    """``(compiling, ours)``: is Dynamo compiling on this thread, and for our backend?
+
+    Dynamo keeps the frame it is translating in a thread-local while it builds
+    the graph and while the backend (AOTAutograd) traces it; its output graph
+    holds the backend it compiles for, possibly wrapped (debug wrappers,
+    ``torch.compile``'s own), so the wrappers are unwound.
+    """
+    tx = getattr(_dynamo_tx.tls, "current_tx", None)
+    if tx is None:
+        return False, False
+    fn = getattr(getattr(tx, "output", None), "compiler_fn", None)
+    for _ in range(8):
+        if fn is None:
+            break
+        if getattr(fn, "_ragged_compile_backend", False):
+            return True, True
+        fn = (
+            getattr(fn, "_torchdynamo_orig_backend", None)
+            or getattr(fn, "compiler_fn", None)
+            or getattr(fn, "__wrapped__", None)
+            or getattr(fn, "func", None)
+        )
+    return True, False
 
 
 @functools.lru_cache(1)
@@ -133,14 +184,16 @@ _seen: set[str] = set()  # eager warnings: once per process
 _seen_per_compile: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _stock_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> str | None:
-    """Why this SDPA call must stay stock, or None. Metadata only: safe under Dynamo."""
+def _stock_reason(query, key, value, attn_mask, is_causal, enable_gqa) -> str | None:
+    """Why this SDPA call must stay stock, or None. Metadata only: safe under Dynamo.
+
+    Dropout is decided by the caller (see :func:`_ragged_sdpa`). Head counts that
+    no grouping can serve raise here, since stock's error would not say why.
+    """
     if not all(isinstance(t, NestedTensor) for t in (query, key, value)):
         return "q, k and v are not all nested jagged tensors"
     if attn_mask is not None:
         return "attn_mask is given (NJT SDPA supports no mask)"
-    if dropout_p > 0.0:
-        return f"dropout_p={dropout_p} (our op has no dropout)"
     if (
         query.device.type != "cpu"
         and torch.is_grad_enabled()
@@ -175,10 +228,23 @@ def _stock_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa
     if hk != hv:
         return f"k has {hk} heads but v has {hv}"
     if hq != hk and (not enable_gqa or hq % hk != 0):
-        return f"q has {hq} heads and k/v {hk} without a valid enable_gqa"
+        # Stock fails here with "matmul: batch dimensions must have the same sizes".
+        fix = (
+            "regroup the heads so that k/v heads divide query heads"
+            if enable_gqa
+            else "pass enable_gqa=True for grouped-query attention"
+        )
+        raise RuntimeError(
+            f"ragged_compile: scaled_dot_product_attention got {hq} query heads and {hk} "
+            f"key/value heads with enable_gqa={bool(enable_gqa)}; {fix}"
+        )
     return None
 
 
+# Dynamo never traces into the handler (NJT SDPA is one graph node whose fake
+# propagation calls it), but after a graph break in a plain torch.compile it would
+# compile the handler's own frame when it runs eagerly: skip it.
+@torch._dynamo.disable
 def _ragged_sdpa(
     query: Tensor,
     key: Tensor,
@@ -190,24 +256,71 @@ def _ragged_sdpa(
     enable_gqa: bool = False,
 ) -> Tensor:
     """Drop-in for ``torch.nested._internal.sdpa.jagged_scaled_dot_product_attention``."""
-    reason = None if _ENABLED else "ragged_compile is not enabled"
-    if reason is None:
-        reason = _stock_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
-    if reason is not None:
-        # Users who expect our op here (missing transpose, grad mode) get a warning.
-        warn = "transpose" in reason or "require grad" in reason
-        _note(logging.WARNING if warn else logging.DEBUG, f"stock NJT SDPA: {reason}")
-        return _previous(
-            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+    stock = functools.partial(
+        _stock, query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+    )
+    compiling, ours = _compiling_for()
+    if not compiling:
+        ours = _ENABLED.get()
+    elif not ours and _ENABLED.get():
+        _note(
+            logging.WARNING,
+            "torch.compile traced NJT SDPA inside ragged_compile.enable(): compiled code keeps "
+            "stock attention (enable() acts on eager code only); use ragged_compile.compile(model)",
         )
-    # [B, H, j, D] -> [B, j, H, D], whose values are the packed [T, H, D] tensor.
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if not ours:
+        return stock()
+    reason = _stock_reason(query, key, value, attn_mask, is_causal, enable_gqa)
+    if reason is None and dropout_p > 0.0:
+        if query.device.type == "cpu":
+            _note(
+                logging.WARNING,
+                f"dropout_p={dropout_p}: ragged_compile's op has no dropout, so on CPU these "
+                "calls run dense SDPA with dropout over padded segments (slower)",
+            )
+            return _padded_sdpa(query, key, value, dropout_p, is_causal, scale, enable_gqa)
+        reason = f"dropout_p={dropout_p}: ragged_compile's op has no dropout"
+    if reason is not None:
+        # Users who expect our op here (missing transpose, grad mode, dropout) get a warning.
+        warn = any(w in reason for w in ("transpose", "require grad", "dropout"))
+        _note(logging.WARNING if warn else logging.DEBUG, f"stock NJT SDPA: {reason}")
+        if not compiling:
+            return stock()
+        try:
+            return stock()
+        except Exception as e:
+            # Under Dynamo a stock failure surfaces as "... when making fake tensor
+            # call" with our reason nowhere: put it first. Exception types Dynamo
+            # acts on (fake-tensor ones graph-break, and the call then runs eagerly
+            # as with plain torch.compile) keep their type and get it as a note.
+            msg = (
+                f"ragged_compile: this scaled_dot_product_attention call is left to stock "
+                f"NJT SDPA because {reason}, and stock cannot trace it here: {e}"
+            )
+            if type(e) in (RuntimeError, ValueError, TypeError):
+                raise type(e)(msg) from e
+            e.add_note(msg)
+            raise
+    return _on_our_op(query, key, value, is_causal, scale)
+
+
+def _check_layouts(q: NestedTensor, k: NestedTensor, v: NestedTensor, is_causal: bool) -> None:
     cu_q, cu_k = q._offsets, k._offsets
     if v._offsets is not cu_k:
         torch.ops.ragged_compile.check_same_segments(cu_k, v._offsets, _KV_MISMATCH)
+        # Separately built k and v have separate (unbacked, under compile) totals:
+        # state their equality (checked above) instead of making a kernel guard on it.
+        torch._check(k.values().size(0) == v.values().size(0), lambda: _KV_MISMATCH)
     if is_causal and cu_k is not cu_q:
         torch.ops.ragged_compile.check_same_segments(cu_q, cu_k, _CAUSAL_MISMATCH)
+
+
+def _on_our_op(query, key, value, is_causal, scale) -> Tensor:
+    # [B, H, j, D] -> [B, j, H, D], whose values are the packed [T, H, D] tensor.
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    _check_layouts(q, k, v, is_causal)
+    cu_q, cu_k = q._offsets, k._offsets
     head_dim = q.size(-1)
     scale = float(scale) if scale is not None else head_dim**-0.5
     _note(
@@ -218,6 +331,56 @@ def _ragged_sdpa(
     out = attention(q.values(), k.values(), v.values(), cu_q, cu_k, bool(is_causal), scale)
     out = nested_view_from_values_offsets_lengths(
         out, cu_q, None, min_seqlen=q._maybe_min_seqlen, max_seqlen=q._maybe_max_seqlen
+    )
+    return out.transpose(1, 2)
+
+
+def _padded_sdpa(query, key, value, dropout_p, is_causal, scale, enable_gqa) -> Tensor:
+    """Dense SDPA with dropout over zero-padded segments: attention dropout on CPU.
+
+    Stock NJT SDPA on CPU cannot drop out where our op runs (causal, GQA,
+    non-contiguous heads, compiled), and our op has no dropout. Each segment is
+    padded to the longest, padded keys are masked out and padded query rows
+    dropped, so every segment sees exactly its own keys: SDPA's semantics per
+    segment, dropout included, traceable with symbolic layouts. Layout checks
+    are those of our op, so a model behaves the same in train and eval mode.
+    """
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    _check_layouts(q, k, v, is_causal)
+
+    def rows(nt: NestedTensor, longest):  # token t of segment b -> row b * longest + (t - offsets[b])
+        cu = nt._offsets
+        tokens = torch.arange(nt.values().size(0), device=cu.device)
+        segment = torch.searchsorted(cu, tokens, right=True) - 1
+        return segment * longest + (tokens - cu[segment])
+
+    def padded(nt: NestedTensor):  # [B, j, H, D] -> [B, H, S, D], S its longest segment
+        n = nt._maybe_max_seqlen
+        if n is None:
+            n = int((nt._offsets[1:] - nt._offsets[:-1]).max()) if nt.size(0) else 0
+        values = nt.values()
+        # index_copy / index_select, not the jagged<->padded ops: those have no derivative.
+        dense = values.new_zeros((nt.size(0) * n, *values.shape[1:])).index_copy(0, rows(nt, n), values)
+        return dense.unflatten(0, (nt.size(0), n)).transpose(1, 2), n
+
+    qd, sq = padded(q)
+    kd, sk = padded(k)
+    vd, _ = padded(v)
+    lengths_k = k._offsets[1:] - k._offsets[:-1]
+    mask = torch.arange(sk, device=kd.device)[None, :] < lengths_k[:, None]  # [B, Sk]
+    mask = mask[:, None, None, :]
+    if is_causal:  # top-left per segment, as SDPA (equal lengths enforced above)
+        mask = mask & torch.ones(sq, sk, dtype=torch.bool, device=kd.device).tril()
+    out = F.scaled_dot_product_attention(
+        qd, kd, vd, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa
+    )
+    # A row that sees no key is NaN or zero depending on the SDPA backend; ours is zero.
+    out = torch.where(mask.any(-1, keepdim=True), out, 0.0)
+    cu_q = q._offsets
+    packed = out.transpose(1, 2).flatten(0, 1).index_select(0, rows(q, sq))  # [Tq, Hq, D]
+    out = nested_view_from_values_offsets_lengths(
+        packed, cu_q, None,
+        min_seqlen=q._maybe_min_seqlen, max_seqlen=q._maybe_max_seqlen,
     )
     return out.transpose(1, 2)
 

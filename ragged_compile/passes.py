@@ -10,18 +10,30 @@ under the ``ragged_compile`` logger with its reason.
 
 Inductor skips custom passes on an FX-graph cache hit and keys the cache on
 ``uuid()``, so each pass hashes its own source (and the shared helpers it runs).
+
+Inductor's pass slot is process-wide config, while ``ragged_compile.compile``
+must never rewrite a plain ``torch.compile`` running on another thread. So
+:func:`installed` puts one gated :class:`RaggedAttentionPasses` in the slot
+while any of our compiles runs (reference-counted), and the gate is a context
+variable that only our backend sets: everywhere else the slot does exactly what
+the pass it wraps (the user's, or none) would do, and keys the cache the same.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import inspect
 import logging
 import operator
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.fx
+from torch._inductor import config as _inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .ops import unsupported_reason
@@ -32,6 +44,8 @@ __all__ = [
     "VarlenAttnPass",
     "RaggedAttentionPasses",
     "ragged_attention_passes",
+    "in_our_compile",
+    "installed",
 ]
 
 log = logging.getLogger("ragged_compile")
@@ -376,28 +390,45 @@ _HELPERS = (
 
 
 class RaggedAttentionPasses(CustomGraphPass):
-    """All of the above, after ``user_pass`` (whatever held the config slot before us)."""
+    """All of the above, after ``user_pass`` (whatever held the config slot before us).
 
-    def __init__(self, user_pass: Any = None, extra_uuid: Any = None) -> None:
+    With ``gated=True`` our passes run only inside :func:`in_our_compile`
+    (``ragged_compile.compile``'s backend); outside it the object is the user's
+    pass in all but name, cache key included.
+    """
+
+    def __init__(self, user_pass: Any = None, extra_uuid: Any = None, gated: bool = False) -> None:
         self.user_pass = user_pass
         self.extra_uuid = extra_uuid
+        self.gated = gated
         self.passes = (FlashVarlenPass(), EfficientVarlenPass(), VarlenAttnPass())
 
+    def _users(self) -> tuple:
+        if self.user_pass is None:
+            return ()
+        return tuple(self.user_pass) if isinstance(self.user_pass, (list, tuple)) else (self.user_pass,)
+
+    def _on(self) -> bool:
+        return not self.gated or _IN_OUR_COMPILE.get()
+
     def __call__(self, graph: torch.fx.Graph) -> None:
-        if self.user_pass is not None:
-            for p in self.user_pass if isinstance(self.user_pass, (list, tuple)) else (self.user_pass,):
-                p(graph)
-        for p in self.passes:
+        for p in self._users():
             p(graph)
+        if self._on():
+            for p in self.passes:
+                p(graph)
 
     def uuid(self) -> Any:
         user = None
-        if self.user_pass is not None:
-            users = self.user_pass if isinstance(self.user_pass, (list, tuple)) else (self.user_pass,)
-            uuids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in users]
+        if self._users():
+            uuids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self._users()]
             if any(u is None for u in uuids):
                 return None  # an uncacheable pass of the user's keeps the graph uncached
             user = tuple(uuids)
+        if not self._on():
+            # Not our compile: key as the user's pass would (a constant when there is
+            # none: Inductor reads a pass without uuid as uncacheable).
+            return ("ragged_compile: off", user)
         own = (_hash_source(type(self)), tuple(p.uuid() for p in self.passes))
         return (own, self.extra_uuid, user)
 
@@ -407,6 +438,55 @@ def ragged_attention_passes(user_pass: Any = None, extra_uuid: Any = None) -> Ra
 
     ``user_pass`` (a pass or a list of passes that held the slot) runs first;
     ``extra_uuid`` joins the cache key, for code that shapes the graph before
-    these passes see it (the NJT SDPA handler).
+    these passes see it (the NJT SDPA handler). Put there by hand, it rewrites
+    every graph Inductor compiles; ``ragged_compile.compile`` does not need it.
     """
     return RaggedAttentionPasses(user_pass, extra_uuid)
+
+
+_IN_OUR_COMPILE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "ragged_compile_in_our_compile", default=False
+)
+_slot_lock = threading.Lock()
+_slot_users = 0
+_slot_ours: RaggedAttentionPasses | None = None
+_slot_before: Any = None
+
+
+@contextlib.contextmanager
+def in_our_compile() -> Iterator[None]:
+    """Open the gate of the installed passes for compiles run in this context."""
+    token = _IN_OUR_COMPILE.set(True)
+    try:
+        yield
+    finally:
+        _IN_OUR_COMPILE.reset(token)
+
+
+@contextlib.contextmanager
+def installed(extra_uuid: Any = None) -> Iterator[None]:
+    """Keep a gated :class:`RaggedAttentionPasses` in Inductor's slot while inside.
+
+    Reference-counted across threads: the first to enter wraps whatever the slot
+    holds, the last to leave puts it back (unless someone replaced ours meanwhile,
+    in which case their value stays).
+    """
+    global _slot_users, _slot_ours, _slot_before
+    with _slot_lock:
+        if _slot_users == 0:
+            current = _inductor_config.post_grad_custom_post_pass
+            if isinstance(current, RaggedAttentionPasses) and current.gated:
+                current = current.user_pass  # left behind by a process that died mid-call
+            _slot_before = current
+            _slot_ours = RaggedAttentionPasses(current, extra_uuid, gated=True)
+            _inductor_config.post_grad_custom_post_pass = _slot_ours
+        _slot_users += 1
+    try:
+        yield
+    finally:
+        with _slot_lock:
+            _slot_users -= 1
+            if _slot_users == 0:
+                if _inductor_config.post_grad_custom_post_pass is _slot_ours:
+                    _inductor_config.post_grad_custom_post_pass = _slot_before
+                _slot_ours = _slot_before = None

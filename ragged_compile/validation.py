@@ -130,9 +130,13 @@ def check_inputs(
             f"layouts need the same number of segments (use zero-length segments to align them)"
         )
     if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, torch.SymFloat, torch.SymInt)):
             raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-        if not math.isfinite(scale):
+        if torch.compiler.is_compiling() or not isinstance(scale, numbers.Real):
+            # A float attribute under torch.compile(dynamic=True) is symbolic there:
+            # math.isfinite cannot trace, a comparison can (a runtime assertion).
+            torch._check(abs(scale) < math.inf, lambda: "scale must be finite; pass None for head_dim ** -0.5")
+        elif not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}; pass None for head_dim ** -0.5")
 
 

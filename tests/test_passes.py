@@ -252,8 +252,7 @@ def test_varlen_attn_compiled_on_cpu_through_inductor():
     def f(q, k, v, cu_q, cu_k):
         return varlen_attn(q, k, v, cu_q, cu_k, mq, mk, window_size=(-1, 0)) * 2
 
-    with ragged_compile.enable():
-        out, codes = run_and_get_code(torch.compile(f, fullgraph=True), q, k, v, cu_q, cu_k)
+    out, codes = run_and_get_code(ragged_compile.compile(f, fullgraph=True), q, k, v, cu_q, cu_k)
     code = "\n".join(codes)
     assert "ragged_compile.ragged_attention" in code and "_varlen_attn" not in code
     ref = dense_attention(q, k, v, cu_q, cu_k, True, 8**-0.5).float()
@@ -395,7 +394,6 @@ def test_cuda_varlen_attn_rewritten_matches_eager():
         return varlen_attn(q, k, v, cu_q, cu_k, mq, mk, window_size=(-1, 0))
 
     eager = f(q, k, v, cu_q, cu_k)
-    with ragged_compile.enable():
-        out, codes = run_and_get_code(torch.compile(f, fullgraph=True), q, k, v, cu_q, cu_k)
+    out, codes = run_and_get_code(ragged_compile.compile(f, fullgraph=True), q, k, v, cu_q, cu_k)
     assert "ragged_compile.ragged_attention" in "\n".join(codes)
     torch.testing.assert_close(out, eager, atol=2e-3, rtol=2e-3)

@@ -15,7 +15,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
+# large_base_example: stateful machines of 50 steps, each drawing a layout, have a
+# large minimal input by design.
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
 
 settings.register_profile(
     "ci",

@@ -2,7 +2,7 @@
 # Everything CUDA of a release in two device calls on a 2-GPU H200 host, run
 # inside bench/gpu_session.sh. Independent steps run in two lanes at once, one
 # per GPU (CUDA_VISIBLE_DEVICES), so one call does twice the work; two-GPU steps
-# run after both lanes. Results land in $OUT/results.tgz.
+# run after both lanes. Results land in $OUT/results-$PHASE.tgz.
 #
 #   PHASE=tests bash bench/gpu_session.sh bash bench/gpu_all.sh   # correctness
 #   PHASE=bench bash bench/gpu_session.sh bash bench/gpu_all.sh   # measurements
@@ -14,8 +14,9 @@ set -u
 R=${OUT:-/tmp/out}/results
 mkdir -p "$R"
 export HYPOTHESIS_PROFILE=ci PYTHONPATH=${PYTHONPATH:-}:$PWD
-step() {  # step NAME SECONDS CMD...
+step() {  # step NAME SECONDS CMD...; STEPS="name ..." runs a subset of the phase
   local name=$1 secs=$2; shift 2
+  case " ${STEPS:-$name} " in *" $name "*) ;; *) return ;; esac
   local t0=$SECONDS
   timeout -s INT -k 15 "$secs" "$@" > "$R/$name.log" 2>&1
   echo "$name: exit $? in $((SECONDS - t0)) s (GPU ${CUDA_VISIBLE_DEVICES:-all})" | tee -a "$R/summary.txt"
@@ -52,19 +53,20 @@ tests)
     --junitxml="$R/dist-tests.xml"
   ;;
 bench)
-  (
+  # Timings must not share a GPU: with one GPU the lanes run in turn.
+  lane0() (
     export CUDA_VISIBLE_DEVICES=0
     step bench-ops "${T_OPS:-200}" python3 bench/bench_attention.py --only ops \
-      --impls ours_eager,flashinfer_fa2,flashinfer_fa3 --time-budget-s 180 --out "$R"
+      --impls ours_eager,flashinfer_fa2,flashinfer_fa3 --time-budget-s "${OPS_BUDGET:-160}" --out "$R"
     step bench-hf "${T_HFB:-260}" python3 bench/bench_hf.py --out "$R/hf.json"
-  ) &
-  (
+  )
+  lane1() (
     export CUDA_VISIBLE_DEVICES=$gpu1
     step bench-train-attn "${T_TA:-90}" python3 bench/bench_train.py --only attn --out "$R"
     step bench-train-e2e "${T_TE:-200}" python3 bench/bench_train.py --only e2e --out "$R"
     step bench-eager-reuse "${T_ER:-90}" python3 bench/bench_eager_reuse.py --out "$R/eager_reuse.json"
-  ) &
-  wait
+  )
+  if [ "$ngpu" -gt 1 ]; then lane0 & lane1 & wait; else lane0; lane1; fi
   if [ "$ngpu" -gt 1 ]; then
     BENCH_ARGS="--mode fsdp --bench --layers 8 --dim 2048 --heads 16 --kv-heads 16 --segments 16 --min-len 64 --max-len 4096 --steps ${FSDP_STEPS:-6}"
     step fsdp-1gpu "${T_DB1:-90}" torchrun --standalone --nproc-per-node 1 examples/train_fsdp.py $BENCH_ARGS --json "$R/fsdp-1gpu.json"
@@ -72,4 +74,4 @@ bench)
   fi
   ;;
 esac
-tar czf "${OUT:-/tmp/out}/results.tgz" -C "$R/.." results && rm -rf "$R"
+tar czf "${OUT:-/tmp/out}/results-${PHASE:-tests}.tgz" -C "$R/.." results && rm -rf "$R"

@@ -369,14 +369,16 @@ class GraphedModel:
         step = _GraphStep(self, e)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), activate(step):
+        # Inference only: a replay has no autograd graph, so none is recorded
+        # (and grad-requiring weights do not send attention to the training ops).
+        with torch.no_grad(), torch.cuda.stream(side), activate(step):
             for _ in range(2):  # the first call compiles (torch.compile) and creates wrappers
                 self.model(*e.args())
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         e.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(e.graph, pool=self._pool), activate(step):
+        with torch.no_grad(), torch.cuda.graph(e.graph, pool=self._pool), activate(step):
             e.out = self.model(*e.args())
         self.stats["captures"] += 1
         self.entries[bucket] = e  # only once captured: a failed capture leaves no half-built entry

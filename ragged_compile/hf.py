@@ -527,15 +527,12 @@ def attention_forward(
     q = query.transpose(1, 2).reshape(b * sq, hq, d)
     k = key.transpose(1, 2).reshape(b * sk, key.shape[1], d)
     v = value.transpose(1, 2).reshape(b * sk, value.shape[1], d)
-    if query.device.type == "cuda" and not compiling:
-        if layout.cu_q.is_inference() or layout.cu_k.is_inference():
-            # The runtime knows offsets by (address, version); inference tensors have
-            # no version. A plain copy, once per forward where the layout is cached.
-            layout = _cached(layout.cu_q, ("plain", id(layout.cu_k)), lambda: _plain_copy(layout))
-        with _cuda_step(query.device):
-            out = ragged_attention(q, k, v, layout.cu_q, layout.cu_k, causal=causal, scale=scaling)
-    else:
-        out = ragged_attention(q, k, v, layout.cu_q, layout.cu_k, causal=causal, scale=scaling)
+    if query.device.type == "cuda" and not compiling and (layout.cu_q.is_inference() or layout.cu_k.is_inference()):
+        # The runtime reuses a plan across layers while the offsets tensor is alive
+        # and unmodified (its implicit step: address and version); inference tensors
+        # have no version. A plain copy, once per forward where the layout is cached.
+        layout = _cached(layout.cu_q, ("plain", id(layout.cu_k)), lambda: _plain_copy(layout))
+    out = ragged_attention(q, k, v, layout.cu_q, layout.cu_k, causal=causal, scale=scaling)
     return out.view(b, sq, hq, d), None
 
 
@@ -557,42 +554,3 @@ def _window_covers(layout: _Layout, window: int, compiling: bool) -> bool:
     return bool((torch.maximum(lk, lq) <= window).all())
 
 
-# -- CUDA: one runtime step across the layers of a forward ------------------------
-
-_tls = threading.local()
-_STEP_LAYOUTS = 6  # a forward of our models has at most a few layouts
-
-
-class _cuda_step:
-    """Activate one runtime step for every layer of a forward (eager).
-
-    The runtime plans once per layout per step; a step per call would plan, and
-    read the offsets to the host, once per layer. We keep one step per thread
-    and start a new one when it holds many layouts or when anyone else planned
-    on the runtime since our last call (their plans may reuse our wrappers).
-    The step holds every offsets tensor it has seen, so a new forward's offsets
-    never alias an old one's address.
-    """
-
-    def __init__(self, device):
-        from .runtime import _activate, _Step, get_runtime
-
-        rt = get_runtime(device)
-        state = getattr(_tls, "state", None)
-        if (
-            state is None
-            or state[0] is not rt
-            or state[2] != rt.stats["plans"]
-            or len(state[1].by_tensor) >= _STEP_LAYOUTS
-        ):
-            state = [rt, _Step(rt, []), rt.stats["plans"]]
-            _tls.state = state
-        self.state = state
-        self.cm = _activate(state[1])
-
-    def __enter__(self):
-        self.cm.__enter__()
-
-    def __exit__(self, *exc):
-        self.cm.__exit__(*exc)
-        self.state[2] = self.state[0].stats["plans"]

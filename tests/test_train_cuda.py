@@ -58,14 +58,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     if b.numel() == 0:
         return 0.0
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+    # Relative to the reference, but never to less than an RMS of 1e-3: gradients
+    # that are exactly zero (dq of one-token segments: softmax over one key) come
+    # back as bf16 rounding noise, which is right, not infinitely wrong.
+    return float((a - b).norm() / b.norm().clamp_min(1e-3 * b.numel() ** 0.5))
 
 
 def _float64_grads(q, k, v, cq, ck, causal, scale, g):
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     out = dense_attention(q64, k64, v64, cq, ck, causal, scale, dtype=torch.float64)
-    (out * g.double().cpu()).sum().backward()  # dense_attention computes on the CPU
-    return out.detach(), (q64.grad, k64.grad, v64.grad)
+    loss = (out * g.double().cpu()).sum()  # dense_attention computes on the CPU
+    if loss.requires_grad:  # no key anywhere: a constant zero output, zero gradients
+        loss.backward()
+    grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in (q64, k64, v64))
+    return out.detach(), grads
 
 
 def _assert_close_grads(got, want, dtype, what):
@@ -161,9 +167,18 @@ def test_fp32_trains_on_the_reference_with_one_warning(caplog):
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("where", ["q", "k", "v", "grad_out"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
-def test_non_finite_in_one_segment_stays_there(backend, where, bad):
+def test_non_finite_in_one_segment_stays_there(backend, where, bad, request):
     """A NaN/Inf in one segment's q, k, v or output gradient changes no other
-    segment's gradients (nor forward outputs)."""
+    segment's gradients (nor forward outputs).
+
+    Except FlashInfer's fa3 forward with a non-finite v: it loads whole 128-row
+    k/v tiles across segment ends and multiplies masked (zero) probabilities by
+    the next segment's values, 0 * NaN = NaN (seen on the H200). A kernel defect
+    we cannot mask from outside; backend="fa2" isolates fully. Strict, so a
+    FlashInfer that fixes it fails here and the README's note can go.
+    """
+    if backend == "fa3" and where == "v":
+        request.applymarker(pytest.mark.xfail(strict=True, reason="FlashInfer fa3 forward reads v across segment ends"))
     lens = [37, 64, 5, 120]
     q, k, v, cq, ck = _case(lens, lens, 8, 2, 64)
     g = torch.randn(q.shape, device="cuda", dtype=q.dtype)
@@ -275,7 +290,7 @@ def test_compiled_njt_encoder_trains_on_our_op(monkeypatch, caplog, checkpoint):
 
 
 def test_compiled_varlen_attn_trains_on_our_forward():
-    """varlen_attn under ragged_compile.enable(): the training forward graph runs our
+    """varlen_attn through ragged_compile.compile: the training forward graph runs our
     LSE op (the pass stands in for aten's out/LSE/rng state), the stock FA2 backward
     consumes our LSE, and the gradients are float64 autograd's."""
     pytest.importorskip("torch.nn.attention.varlen")
@@ -291,8 +306,8 @@ def test_compiled_varlen_attn_trains_on_our_forward():
         return varlen_attn(q, k, v, cq, cq, m, m, window_size=(-1, 0))
 
     torch._dynamo.reset()
-    with rc.enable(), torch._inductor.config.patch(force_disable_caches=True):
-        out, codes = run_and_get_code(torch.compile(f, fullgraph=True), q, k, v)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        out, codes = run_and_get_code(rc.compile(f, fullgraph=True), q, k, v)
         out.backward(g)
     assert "ragged_attention_lse" in "\n".join(codes)
     _, want = _float64_grads(q, k, v, cq, cq, True, 64**-0.5, g)

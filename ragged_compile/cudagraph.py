@@ -310,7 +310,7 @@ class GraphedModel:
         slot.wrapper._pin_memory_int_workspace_buffer = slot.staging[i]
         qo, kv = _indptr(padded, slot.kind)
         hq, hkv, d, dtype, causal, scale = slot.config
-        fi.plan(slot.wrapper, qo, kv, hq, hkv, d, dtype, causal, scale, split_kv=slot.split_kv)
+        fi.plan(slot.wrapper, qo, kv, hq, hkv, d, dtype, causal, scale, split_kv=slot.split_kv, causal_split=True)
         slot.events[i] = torch.cuda.Event()
         slot.events[i].record()
         slot.turn ^= 1
@@ -346,7 +346,7 @@ class GraphedModel:
                 kv_indptr_buf=torch.zeros(entries, dtype=torch.int32, device=dev),
             )
             try:
-                fi.plan(wrapper, prime_q, prime_k, hq, hkv, d, dtype, causal, scale, split_kv=split_kv)
+                fi.plan(wrapper, prime_q, prime_k, hq, hkv, d, dtype, causal, scale, split_kv=split_kv, causal_split=True)
                 break
             except RuntimeError as err:
                 need = fi.workspace_shortfall(err)

@@ -208,6 +208,23 @@ def _replace_output(graph: torch.fx.Graph, node: torch.fx.Node, out: torch.fx.No
     graph.erase_node(node)
 
 
+@torch.library.custom_op("ragged_compile::zero_state", mutates_args=())
+def _zero_state(shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros standing in for a stock forward's rng state (no dropout: the stock
+    backward reads none of it). An op of our own, not ``aten.zeros``: Inductor's
+    post-grad lowering has no uint64 ``zeros`` (it fails with "both a fallback
+    and a decomp"); a custom op is an extern kernel."""
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+@_zero_state.register_fake
+def _(shape, dtype, device):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+_ZERO_STATE = torch.ops.ragged_compile.zero_state.default
+
+
 class _AttentionPass(CustomGraphPass):
     """One node kind -> our op. Subclasses give ``target()`` and ``plan()``."""
 
@@ -236,7 +253,7 @@ class _AttentionPass(CustomGraphPass):
                 v = _val(user)
                 with graph.inserting_before(node):
                     zeros = graph.call_function(
-                        aten.zeros.default, (list(v.shape),), {"dtype": v.dtype, "device": v.device}
+                        _ZERO_STATE, (list(v.shape), v.dtype, v.device)
                     )
                 with v.fake_mode:
                     zeros.meta["val"] = torch.zeros(v.shape, dtype=v.dtype, device=v.device)

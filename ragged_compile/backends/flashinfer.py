@@ -16,8 +16,9 @@ only runs. Quirks handled here (see shared/NOTES.md):
   (test_flashinfer_writes_zero_for_rows_that_see_no_key) holds that to account.
 * Causal segments with more queries than keys came back wrong from fa2 (found by
   the CUDA fuzzer: one segment of 128 queries over 64 keys). Causal plans
-  therefore never hold such a segment: :func:`causal_indptr` splits each segment
-  into its blind top rows (no keys) and a square bottom-right block.
+  therefore never hold such a segment: where a layout has one,
+  :func:`causal_indptr` splits each segment into its blind top rows (no keys)
+  and a square bottom-right block (graph mode always splits: fixed buffers).
 """
 
 from __future__ import annotations
@@ -201,14 +202,23 @@ def make_wrapper(
     )
 
 
-def plan(wrapper, cu_q_host, cu_k_host, hq, hkv, head_dim, dtype, causal, scale, *, split_kv=True) -> None:
+def plan(
+    wrapper, cu_q_host, cu_k_host, hq, hkv, head_dim, dtype, causal, scale, *, split_kv=True, causal_split=None
+) -> None:
     """Host-side planning; `cu_*_host` are int32 CPU offsets of the real layout.
 
     ``split_kv=False`` forbids fa2 from splitting long k/v segments across CTAs
     (fa3 never does). A CUDA-graph wrapper otherwise always splits, and the merge
     kernel that follows can cost as much as the attention itself.
+
+    ``causal_split``: plan causal segments through :func:`causal_indptr`. ``None``
+    splits only layouts where some segment has more queries than keys (the case
+    fa2 gets wrong); self-attention never needs it, and its empty halves cost
+    fa3 time. Graph mode passes True: its static buffers hold 2n + 1 entries.
     """
-    if causal:
+    if causal and causal_split is None:
+        causal_split = bool(((cu_q_host[1:] - cu_q_host[:-1]) > (cu_k_host[1:] - cu_k_host[:-1])).any())
+    if causal and causal_split:
         cu_q_host, cu_k_host = causal_indptr(cu_q_host, cu_k_host)
     wrapper.plan(
         cu_q_host.pin_memory() if torch.cuda.is_available() else cu_q_host,

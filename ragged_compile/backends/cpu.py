@@ -6,7 +6,7 @@ and its backward (blocked, so memory stays linear in the tokens; GQA native):
 * A plan (host work, cached for the last few layouts so a backward finds its
   forward's) cuts every segment into *pieces*: the query rows that see a key,
   with the keys they may see. Pieces of one shape share a call. Longer than
-  ``_TINY`` (16) tokens they run as views of the packed tensors (no copy): one call
+  ``_TINY`` (32) tokens they run as views of the packed tensors (no copy): one call
   per run of back-to-back pieces (a uniform batch is a single call whose output
   is returned as is), else one per piece. Measured: the kernel's cost per
   segment hardly falls in a batch, while gathering copies every row. Tiny
@@ -61,9 +61,11 @@ _BUDGET = 1 << 22  # elements of one causal mask chunk (rows x keys)
 # that costs less than a call is ~1.5e5 score-head-dims.
 _MERGE = 1.5e5
 # Gathering copies q, k, v and the output (~0.3 us per row of 8 x 64 each);
-# past ~16 tokens that costs more than the calls it saves (measured on 256
-# segments of 1..32 tokens: 8 and 2 were slower), so longer pieces run as views.
-_TINY = 16
+# past ~32 tokens that costs more than the calls it saves, so longer pieces run
+# as views. Measured on 2 cores, 256 segments of 1..32 tokens: 32 against 16
+# took forward 10.9 against 15.7 ms, forward+backward 46 against 67 ms (8 and
+# 2 were slower still); 24 segments of 0..456 tokens did not move.
+_TINY = 32
 _PLANS = 8  # layouts whose plans are kept
 
 

@@ -10,7 +10,7 @@ from .backends.cpu import takes as cpu_takes
 from .reference import reference_attention, reference_attention_backward
 from .runtime import get_runtime
 from .train_ops import attention as _dispatch  # inference op, or the training pair (train_ops.py)
-from .validation import SUPPORTED_DTYPES, check_cu_seqlens_values, check_inputs, debug_checks
+from .validation import SUPPORTED_DTYPES, check_cu_seqlens_values, check_inputs, check_meta, debug_checks
 
 __all__ = ["ragged_attention", "SUPPORTED_DTYPES", "unsupported_reason"]
 
@@ -168,40 +168,7 @@ def _ragged_attention(
 
 @_ragged_attention.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
-    torch._check(q.dim() == 3, lambda: f"q must be [Tq, Hq, D], got {q.dim()}-D")
-    torch._check(k.dim() == 3 and v.dim() == 3, lambda: "k and v must be [Tk, Hkv, D]")
-    torch._check(
-        k.shape[0] == v.shape[0] and k.shape[1] == v.shape[1],
-        lambda: f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in tokens and heads",
-    )
-    torch._check(
-        k.shape[2] == q.shape[2] and v.shape[2] == q.shape[2],
-        lambda: f"q, k, v head_dim differ: {q.shape[2]}, {k.shape[2]}, {v.shape[2]}",
-    )
-    torch._check(
-        k.shape[1] >= 1 and q.shape[1] >= 1,
-        lambda: f"q heads ({q.shape[1]}) and k/v heads ({k.shape[1]}) must be >= 1",
-    )
-    torch._check(
-        q.shape[1] % k.shape[1] == 0,
-        lambda: f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})",
-    )
-    torch._check(
-        cu_seqlens_q.dim() == 1 and cu_seqlens_k.dim() == 1,
-        lambda: "cu_seqlens_q and cu_seqlens_k must be 1-D [n + 1]",
-    )
-    torch._check(
-        cu_seqlens_q.shape[0] == cu_seqlens_k.shape[0],
-        lambda: "cu_seqlens_q and cu_seqlens_k must describe the same number of segments",
-    )
-    torch._check(
-        q.dtype == k.dtype == v.dtype, lambda: f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
-    )
-    torch._check(
-        q.dtype in SUPPORTED_DTYPES,
-        lambda: f"q has dtype {q.dtype}; ragged_attention takes float16, bfloat16, float32, "
-        f"float64: cast q, k and v with .to(torch.bfloat16)",
-    )
+    check_meta(q, k, v, cu_seqlens_q, cu_seqlens_k)
     return q.new_empty(q.shape)
 
 

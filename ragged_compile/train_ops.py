@@ -32,7 +32,7 @@ from .backends import cpu as cpu_kernel
 from .backends import flash_backward
 from .reference import reference_attention, reference_attention_backward
 from .runtime import get_runtime
-from .validation import check_cu_seqlens_values, check_inputs
+from .validation import check_cu_seqlens_values, check_inputs, check_meta
 
 __all__ = ["attention", "training_unsupported_reason", "reference_lse"]
 
@@ -158,25 +158,7 @@ def _attention_lse(
 
 @_attention_lse.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
-    torch._check(q.dim() == 3, lambda: f"q must be [Tq, Hq, D], got {q.dim()}-D")
-    torch._check(k.dim() == 3 and v.dim() == 3, lambda: "k and v must be [Tk, Hkv, D]")
-    torch._check(
-        k.shape[0] == v.shape[0] and k.shape[1] == v.shape[1],
-        lambda: f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in tokens and heads",
-    )
-    torch._check(
-        k.shape[2] == q.shape[2] and v.shape[2] == q.shape[2],
-        lambda: f"q, k, v head_dim differ: {q.shape[2]}, {k.shape[2]}, {v.shape[2]}",
-    )
-    torch._check(
-        q.shape[1] % k.shape[1] == 0,
-        lambda: f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})",
-    )
-    torch._check(
-        cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape[0] == cu_seqlens_k.shape[0],
-        lambda: "cu_seqlens_q and cu_seqlens_k must be 1-D [n + 1] with the same n",
-    )
-    torch._check(q.dtype == k.dtype == v.dtype, lambda: f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    check_meta(q, k, v, cu_seqlens_q, cu_seqlens_k)
     out = q.new_empty(q.shape)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     return out, lse, torch.empty(2, dtype=torch.int64, device="cpu")

@@ -22,7 +22,7 @@ import os
 import torch
 
 __all__ = [
-    "SUPPORTED_DTYPES", "check_inputs", "check_cu_seqlens_values", "debug_checks", "set_debug_checks",
+    "SUPPORTED_DTYPES", "check_inputs", "check_meta", "check_cu_seqlens_values", "debug_checks", "set_debug_checks",
 ]
 
 # Dtypes the op computes (the reference kernel); FlashInfer takes fp16/bf16.
@@ -174,3 +174,40 @@ def check_cu_seqlens_values(
             f"{arg}={max_seqlen}; pass the true maximum or None"
         )
     return lens
+
+
+def check_meta(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
+    """The ops' fake-kernel checks: metadata only, as ``torch._check`` so they
+    hold on symbolic shapes under ``torch.compile``."""
+    torch._check(q.dim() == 3, lambda: f"q must be [Tq, Hq, D], got {q.dim()}-D")
+    torch._check(k.dim() == 3 and v.dim() == 3, lambda: "k and v must be [Tk, Hkv, D]")
+    # One check per size: an `and` of symbolic sizes would guard on each (for k and
+    # v built separately, one graph per outcome).
+    torch._check(k.shape[0] == v.shape[0], lambda: f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in tokens")
+    torch._check(k.shape[1] == v.shape[1], lambda: f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in heads")
+    torch._check(k.shape[2] == q.shape[2], lambda: f"q, k, v head_dim differ: {q.shape[2]}, {k.shape[2]}, {v.shape[2]}")
+    torch._check(v.shape[2] == q.shape[2], lambda: f"q, k, v head_dim differ: {q.shape[2]}, {k.shape[2]}, {v.shape[2]}")
+    torch._check(
+        k.shape[1] >= 1 and q.shape[1] >= 1,
+        lambda: f"q heads ({q.shape[1]}) and k/v heads ({k.shape[1]}) must be >= 1",
+    )
+    torch._check(
+        q.shape[1] % k.shape[1] == 0,
+        lambda: f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})",
+    )
+    torch._check(
+        cu_seqlens_q.dim() == 1 and cu_seqlens_k.dim() == 1,
+        lambda: "cu_seqlens_q and cu_seqlens_k must be 1-D [n + 1]",
+    )
+    torch._check(
+        cu_seqlens_q.shape[0] == cu_seqlens_k.shape[0],
+        lambda: "cu_seqlens_q and cu_seqlens_k must describe the same number of segments",
+    )
+    torch._check(
+        q.dtype == k.dtype == v.dtype, lambda: f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
+    )
+    torch._check(
+        q.dtype in SUPPORTED_DTYPES,
+        lambda: f"q has dtype {q.dtype}; ragged_attention takes float16, bfloat16, float32, "
+        f"float64: cast q, k and v with .to(torch.bfloat16)",
+    )

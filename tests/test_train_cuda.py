@@ -2,7 +2,7 @@
 
 Against float64 autograd through a dense per-segment reference, and aten's own
 forward LSE. fa3 cases need SM90 and use bf16 head dims 64/128 only (kernels
-JIT-compile for ~72 s each); bench/gpu_train.sh warms what these need.
+JIT-compile for ~72 s each); bench/gpu_all.sh warms what these need.
 """
 
 from __future__ import annotations

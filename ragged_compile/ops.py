@@ -10,7 +10,7 @@ from .backends.cpu import takes as cpu_takes
 from .reference import reference_attention, reference_attention_backward
 from .runtime import get_runtime
 from .train_ops import attention as _dispatch  # inference op, or the training pair (train_ops.py)
-from .validation import SUPPORTED_DTYPES, check_cu_seqlens_values, check_inputs, check_meta, debug_checks
+from .validation import SUPPORTED_DTYPES, check_cu_seqlens_values, check_inputs, check_meta, check_values, debug_checks
 
 __all__ = ["ragged_attention", "SUPPORTED_DTYPES", "unsupported_reason"]
 
@@ -131,12 +131,6 @@ setattr(
     "scale = head_dim ** -0.5 by default; or use torch.compile / ragged_compile.compile "
     "instead of torch.jit.script",
 )
-
-
-def check_values(q, k, cu_seqlens_q, cu_seqlens_k):
-    """Value checks of the offsets on host copies (a sync for device tensors)."""
-    check_cu_seqlens_values(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
-    check_cu_seqlens_values(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
 
 
 # cudagraph_unsafe: the CUDA kernel looks its plan up on the host at every call.

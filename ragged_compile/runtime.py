@@ -154,6 +154,8 @@ class Layout:
         self.n = self.cu_q.numel() - 1
         self.total_q = int(self.cu_q[-1])
         self.total_k = int(self.cu_k[-1])
+        # the training backward's grid sizes, read here so it never syncs
+        self.max_lens = tuple(int((cu[1:] - cu[:-1]).max()) if self.n else 0 for cu in (self.cu_q, self.cu_k))
         self._device_cu: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
@@ -277,6 +279,14 @@ class _Step:
             slot.owner = None
         self.slots = []
 
+    def _checked_layout(self, q, k, cu_q, cu_k) -> Layout:
+        layout = self.layout_for(cu_q, cu_k, q.shape[0], k.shape[0])
+        if debug_checks():
+            dq, dk = layout.device_offsets(q.device)
+            if not (torch.equal(dq, cu_q.to(dq.dtype)) and torch.equal(dk, cu_k.to(dk.dtype))):
+                raise ValueError("cu_seqlens do not match the layout planned for this step")
+        return layout
+
     def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float) -> torch.Tensor:
         rt = self.runtime
         reason = rt.unsupported_reason(q)
@@ -287,11 +297,7 @@ class _Step:
             rt.last_backend = "reference"
             return reference_attention(q, k, v, cu_q, cu_k, causal, scale)
         total_q, total_k = q.shape[0], k.shape[0]
-        layout = self.layout_for(cu_q, cu_k, total_q, total_k)
-        if debug_checks():
-            dq, dk = layout.device_offsets(q.device)
-            if not (torch.equal(dq, cu_q.to(dq.dtype)) and torch.equal(dk, cu_k.to(dk.dtype))):
-                raise ValueError("cu_seqlens do not match the layout planned for this step")
+        layout = self._checked_layout(q, k, cu_q, cu_k)
         if total_q == 0:
             return q.new_empty(q.shape)
         if total_k == 0:
@@ -310,16 +316,8 @@ class _Step:
         rt = self.runtime
         self.trains = True  # kept past its end for checkpoint recomputes (Runtime._release)
         total_q, total_k = q.shape[0], k.shape[0]
-        layout = self.layout_for(cu_q, cu_k, total_q, total_k)
-        if debug_checks():
-            dq, dk = layout.device_offsets(q.device)
-            if not (torch.equal(dq, cu_q.to(dq.dtype)) and torch.equal(dk, cu_k.to(dk.dtype))):
-                raise ValueError("cu_seqlens do not match the layout planned for this step")
-        max_lens = layout.__dict__.get("max_lens")
-        if max_lens is None:
-            max_lens = layout.max_lens = tuple(
-                int((cu[1:] - cu[:-1]).max()) if layout.n else 0 for cu in (layout.cu_q, layout.cu_k)
-            )
+        layout = self._checked_layout(q, k, cu_q, cu_k)
+        max_lens = layout.max_lens
         if total_q == 0 or total_k == 0:
             lse = torch.full((q.shape[1], total_q), float("inf"), dtype=torch.float32, device=q.device)
             return q.new_zeros(q.shape), lse, max_lens

@@ -32,7 +32,7 @@ from .backends import cpu as cpu_kernel
 from .backends import flash_backward
 from .reference import reference_attention, reference_attention_backward
 from .runtime import get_runtime
-from .validation import check_cu_seqlens_values, check_inputs, check_meta
+from .validation import check_inputs, check_meta, check_values
 
 __all__ = ["attention", "training_unsupported_reason", "reference_lse"]
 
@@ -125,13 +125,6 @@ def reference_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float) 
     return lse.float()
 
 
-def _max_lens(cu_q: torch.Tensor, cu_k: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(
-        [int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0 for cu in (cu_q.cpu(), cu_k.cpu())],
-        dtype=torch.int64,
-    )
-
-
 @torch.library.custom_op("ragged_compile::ragged_attention_lse", mutates_args=(), tags=_TAGS)
 def _attention_lse(
     q: torch.Tensor,
@@ -145,15 +138,15 @@ def _attention_lse(
     # CPU: the fused CPU kernel; devices without a kernel of their own, float64
     # and RAGGED_COMPILE_REFERENCE=1: the reference kernel and an exact LSE.
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
-    check_cu_seqlens_values(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
-    check_cu_seqlens_values(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    lens_q, lens_k = check_values(q, k, cu_seqlens_q, cu_seqlens_k)
+    max_lens = torch.tensor([int(x.max()) if x.numel() else 0 for x in (lens_q, lens_k)], dtype=torch.int64)
     if cpu_kernel.takes(q):
         out, lse = cpu_kernel.cpu_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, return_lse=True)
         lse = lse.t().contiguous()  # [Tq, Hq] -> the backward's [Hq, Tq]
     else:
         out = reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
         lse = reference_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal, scale)
-    return out, lse, _max_lens(cu_seqlens_q, cu_seqlens_k)
+    return out, lse, max_lens
 
 
 @_attention_lse.register_fake

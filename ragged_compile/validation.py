@@ -22,7 +22,7 @@ import os
 import torch
 
 __all__ = [
-    "SUPPORTED_DTYPES", "check_inputs", "check_meta", "check_cu_seqlens_values", "debug_checks", "set_debug_checks",
+    "SUPPORTED_DTYPES", "check_inputs", "check_meta", "check_values", "check_cu_seqlens_values", "debug_checks", "set_debug_checks",
 ]
 
 # Dtypes the op computes (the reference kernel); FlashInfer takes fp16/bf16.
@@ -174,6 +174,15 @@ def check_cu_seqlens_values(
             f"{arg}={max_seqlen}; pass the true maximum or None"
         )
     return lens
+
+
+def check_values(q, k, cu_seqlens_q, cu_seqlens_k) -> tuple[torch.Tensor, torch.Tensor]:
+    """Value checks of both offsets on host copies (a sync for device tensors);
+    returns the q and k segment lengths."""
+    return (
+        check_cu_seqlens_values(cu_seqlens_q, q.shape[0], "cu_seqlens_q"),
+        check_cu_seqlens_values(cu_seqlens_k, k.shape[0], "cu_seqlens_k"),
+    )
 
 
 def check_meta(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:

@@ -309,7 +309,7 @@ def _check_layouts(q: NestedTensor, k: NestedTensor, v: NestedTensor, is_causal:
     cu_q, cu_k = q._offsets, k._offsets
     if v._offsets is not cu_k:
         torch.ops.ragged_compile.check_same_segments(cu_k, v._offsets, _KV_MISMATCH)
-        # Separately built k and v have separate (unbacked, under compile) totals:
+        # Separately built k and v have separate symbolic totals under compile:
         # state their equality (checked above) instead of making a kernel guard on it.
         torch._check(k.values().size(0) == v.values().size(0), lambda: _KV_MISMATCH)
     if is_causal and cu_k is not cu_q:

@@ -258,6 +258,9 @@ def _check_fsdp(args, rank, world, device, per_rank, batch_of, global_tokens, sh
     return res
 
 
+FOREACH = os.environ.get("RC_EXAMPLE_FOREACH") == "1" or None  # None: torch's default (foreach on CUDA)
+
+
 def run_tp(args, mesh, rank, world, device) -> dict:
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -276,7 +279,11 @@ def run_tp(args, mesh, rank, world, device) -> dict:
         plan[f"blocks.{i}.ff_in"] = ColwiseParallel()
         plan[f"blocks.{i}.ff_out"] = RowwiseParallel()
     parallelize_module(model, mesh, plan)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # Sharded (DTensor) and unsharded (norm) parameters in separate groups:
+    # CUDA's default foreach AdamW cannot mix the two in one group.
+    sharded = [p for p in model.parameters() if isinstance(p, DTensor)]
+    plain = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    opt = torch.optim.AdamW([{"params": sharded}, {"params": plain}], lr=1e-4, foreach=FOREACH)
 
     def batch_of(s):
         lens = batches_lens[s]

@@ -24,6 +24,7 @@ Writes ``train.json`` and ``train.md`` under ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import inspect
 import json
@@ -136,6 +137,9 @@ def bench_attention(args) -> dict:
             ours()  # plan once: the per-layer cost in a model
             run("ours", ours)
             ref = ours()
+        with rt.step(), _backward("fa2"):
+            ours()
+            run("ours_fa2", ours)
         run("ours_plan", lambda: _fresh_step(rt, ours))
         run("ours_fwd", lambda: _no_grad_step(rt, q, k, v, cu, causal))
 
@@ -163,7 +167,7 @@ def bench_attention(args) -> dict:
                 return torch.autograd.grad(out.transpose(1, 2).values(), (q, k, v), go)
 
             run("njt_sdpa", njt)
-        for label in ("ours", "ours_plan"):
+        for label in ("ours", "ours_fa2", "ours_plan"):
             if "ms" in row.get(label, {}) and "ms" in row.get("varlen_attn", {}):
                 row[f"speedup_{label}_vs_varlen"] = row["varlen_attn"]["ms"] / row[label]["ms"]
         res[name] = row
@@ -171,6 +175,20 @@ def bench_attention(args) -> dict:
         del q, k, v, go
         torch.cuda.empty_cache()
     return res
+
+
+@contextlib.contextmanager
+def _backward(kernel: str):
+    """Force the op's CUDA backward (train_ops.backward_kernel reads this per call)."""
+    old = os.environ.get("RAGGED_COMPILE_BACKWARD")
+    os.environ["RAGGED_COMPILE_BACKWARD"] = kernel
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["RAGGED_COMPILE_BACKWARD"]
+        else:
+            os.environ["RAGGED_COMPILE_BACKWARD"] = old
 
 
 def _fresh_step(rt, fn):
@@ -234,6 +252,7 @@ def bench_e2e(args) -> dict:
 
     impls = {
         "ours": lambda mdl: (rc.compile(mdl), x_njt, lambda out: out.values()),
+        "ours_fa2": lambda mdl: (rc.compile(mdl), x_njt, lambda out: out.values()),
         "njt_sdpa_compiled": lambda mdl: (torch.compile(mdl), x_njt, lambda out: out.values()),
         "varlen_compiled": lambda mdl: (torch.compile(_with_attention(mdl, packed_attention)), x, lambda out: out),
     }
@@ -242,6 +261,8 @@ def bench_e2e(args) -> dict:
         if args.only_impl and name not in args.only_impl:
             continue
         try:
+            ctx = _backward("fa2") if name == "ours_fa2" else contextlib.nullcontext()
+            ctx.__enter__()
             mdl = copy.deepcopy(base)
             fn, inp, values = make(mdl)
             opt = torch.optim.AdamW(mdl.parameters(), lr=1e-5)
@@ -268,6 +289,8 @@ def bench_e2e(args) -> dict:
             del mdl, opt, fn
         except Exception as e:  # noqa: BLE001
             res[name] = {"error": f"{type(e).__name__}: {str(e)[:600]}", "trace": traceback.format_exc()[-1500:]}
+        finally:
+            ctx.__exit__(None, None, None)
         torch.cuda.empty_cache()
         print(name, json.dumps({k: v for k, v in res[name].items() if k != "trace"}), flush=True)
     for other in ("njt_sdpa_compiled", "varlen_compiled"):
@@ -287,8 +310,8 @@ def render(results: dict) -> str:
              f"flashinfer {results['env'].get('flashinfer')}, bf16)", ""]
     if "attn" in results:
         lines += ["## Attention forward+backward (ms, median)", "",
-                  "| layout | ours | ours (plan per call) | ours fwd only | varlen_attn | NJT SDPA | ours vs varlen |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| layout | ours | ours, FA2 backward | ours (plan per call) | ours fwd only | varlen_attn | NJT SDPA | ours vs varlen |",
+                  "|---|---|---|---|---|---|---|---|"]
         for name, row in results["attn"].items():
             def c(key):
                 r = row.get(key)
@@ -296,14 +319,14 @@ def render(results: dict) -> str:
                     return "-"
                 return f"{r['ms']:.2f}" if "ms" in r else "error"
             sp = row.get("speedup_ours_vs_varlen")
-            lines.append(f"| {name} ({row['tokens']} tok, {row['hq']}/{row['hkv']} heads) | {c('ours')} | {c('ours_plan')} | "
+            lines.append(f"| {name} ({row['tokens']} tok, {row['hq']}/{row['hkv']} heads) | {c('ours')} | {c('ours_fa2')} | {c('ours_plan')} | "
                          f"{c('ours_fwd')} | {c('varlen_attn')} | {c('njt_sdpa')} | {f'{sp:.2f}x' if sp else '-'} |")
         lines.append("")
     if "e2e" in results:
         e = results["e2e"]
         lines += [f"## {e['layers']}-layer d={e['d']} encoder training step, {e['tokens']} tokens (forward, backward, AdamW)", "",
                   "| implementation | ms/step | tokens/s | peak GiB | first step s |", "|---|---|---|---|---|"]
-        for name in ("ours", "njt_sdpa_compiled", "varlen_compiled"):
+        for name in ("ours", "ours_fa2", "njt_sdpa_compiled", "varlen_compiled"):
             r = e.get(name, {})
             if "ms" in r:
                 lines.append(f"| {name} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {r['peak_mem_gib']:.2f} | {r['first_step_s']:.1f} |")

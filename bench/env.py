@@ -20,4 +20,10 @@ def environment() -> dict:
         env["flashinfer"] = flashinfer.__version__
     except Exception as e:  # noqa: BLE001 - record why, whatever it was
         env["flashinfer"] = f"unavailable: {e}"
+    try:
+        from importlib.metadata import version
+
+        env["flash_attn_4"] = version("flash-attn-4")
+    except Exception:  # noqa: BLE001 - not installed
+        env["flash_attn_4"] = None
     return env

@@ -20,7 +20,6 @@ on the packed ``varlen_attn`` model: our pass rewrites it), ``varlen_compiled``,
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import re

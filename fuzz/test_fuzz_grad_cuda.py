@@ -1,4 +1,5 @@
-"""CUDA gradient fuzz: training forward + FlashAttention-2 backward vs float64 autograd.
+"""CUDA gradient fuzz: training forward + backward (flash-attn-4 when installed, else
+FlashAttention-2; RAGGED_COMPILE_BACKWARD picks one) vs float64 autograd.
 
     RAGGED_FUZZ_GRAD_EXAMPLES=1000 python -m pytest -q -s fuzz/test_fuzz_grad_cuda.py
 
@@ -21,6 +22,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 
 import ragged_compile
+from ragged_compile import train_ops
 from fuzz.strategies import AttentionCase, Layout, attention_cases
 
 pytestmark = [
@@ -170,6 +172,7 @@ def test_gradients_match_float64_autograd():
         for name, a, b in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want):
             _check(name, a, b, case.dtype, case)
         ran["examples"] += 1
+        ran["backward_" + train_ops.backward_kernel(q.device, q.dtype, q.shape[-1])] += 1
         ran[str(case.dtype)] += 1
         ran[f"d{case.head_dim}"] += 1
         ran[f"gqa{case.hq // case.hkv}"] += 1

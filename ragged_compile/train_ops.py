@@ -23,13 +23,15 @@ outputs, a backward custom op with a fake kernel, ``register_autograd``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import os
 
 import torch
 
 from .backends import cpu as cpu_kernel
-from .backends import flash_backward
+from .backends import fa4_backward, flash_backward
 from .reference import reference_attention, reference_attention_backward
 from .runtime import get_runtime
 from .validation import check_inputs, check_meta, check_values
@@ -200,10 +202,40 @@ def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens, causal,
 
 @_attention_lse_backward.register_kernel("cuda")
 def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens, causal, scale):
+    if backward_kernel(q.device, q.dtype, q.shape[-1]) == "fa4":
+        return fa4_backward.backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale)
     max_q, max_k = max_lens.tolist()  # a CPU tensor: no sync
     return flash_backward.backward(
         grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale
     )
+
+
+BACKWARD_KERNELS = ("auto", "fa2", "fa4")
+
+
+def backward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The CUDA backward a training call runs: ``"fa4"`` (flash-attn-4, twice as
+    fast on SM90, when installed) or ``"fa2"`` (PyTorch's FlashAttention-2).
+    ``RAGGED_COMPILE_BACKWARD=fa2|fa4`` forces one; ``fa4`` where it cannot run
+    is an error that says why."""
+    choice = os.environ.get("RAGGED_COMPILE_BACKWARD", "auto")
+    if choice not in BACKWARD_KERNELS:
+        raise ValueError(f"RAGGED_COMPILE_BACKWARD must be one of {BACKWARD_KERNELS}, got {choice!r}")
+    if choice == "fa2":
+        return "fa2"
+    reason = fa4_backward.unsupported_reason(device, dtype, head_dim)
+    if reason is None:
+        return "fa4"
+    if choice == "fa4":
+        raise RuntimeError(f"RAGGED_COMPILE_BACKWARD=fa4, but {reason}; unset it to use FlashAttention-2's backward")
+    if fa4_backward.installed():
+        _warn_fa4_once(reason)
+    return "fa2"
+
+
+@functools.cache
+def _warn_fa4_once(reason: str) -> None:
+    log.warning("ragged_compile: flash-attn-4 is installed but %s: training uses FlashAttention-2's (slower) backward", reason)
 
 
 def _setup_context(ctx, inputs, output):

@@ -1,4 +1,5 @@
-"""Training on the GPU: FlashInfer forward with LSE + FlashAttention-2 backward.
+"""Training on the GPU: FlashInfer forward with LSE + FlashAttention-2 (or, when
+installed, flash-attn-4) backward.
 
 Against float64 autograd through a dense per-segment reference, and aten's own
 forward LSE. fa3 cases need SM90 and use bf16 head dims 64/128 only (kernels
@@ -15,7 +16,7 @@ import torch
 
 import ragged_compile as rc
 from ragged_compile import train_ops
-from ragged_compile.backends import flash_backward
+from ragged_compile.backends import fa4_backward, flash_backward
 from ragged_compile.reference import dense_attention
 from ragged_compile.runtime import Runtime
 from _njt_models import SelfAttentionLayer
@@ -31,6 +32,19 @@ def _backends():
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         out.append("fa3")
     return out
+
+
+def _backward_kernels():
+    out = ["fa2"]
+    if torch.cuda.is_available() and fa4_backward.unsupported_reason(torch.device("cuda"), torch.bfloat16, 128) is None:
+        out.append("fa4")
+    return out
+
+
+@pytest.fixture(params=_backward_kernels())
+def backward_kernel(request, monkeypatch):
+    monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", request.param)
+    return request.param
 
 
 def _cu(lens):
@@ -87,7 +101,7 @@ def _assert_close_grads(got, want, dtype, what):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("hq,hkv,d", [(8, 8, 64), (8, 2, 72), (4, 1, 128)])
-def test_gradients_match_float64_autograd(backend, layout, causal, hq, hkv, d):
+def test_gradients_match_float64_autograd(backward_kernel, backend, layout, causal, hq, hkv, d):
     if backend == "fa3" and d not in (64, 128):
         pytest.skip("fa3 cases stay on the warmed head dims")
     lq, lk = LAYOUTS[layout]
@@ -100,7 +114,8 @@ def test_gradients_match_float64_autograd(backend, layout, causal, hq, hkv, d):
     out.backward(g)
     want_out, want = _float64_grads(q, k, v, cq, ck, causal, scale, g)
     assert _rel(out.detach(), want_out) < 2e-2
-    _assert_close_grads([t.grad for t in (q, k, v)], want, q.dtype, f"{backend} {layout} causal={causal}")
+    what = f"{backend} forward, {backward_kernel} backward, {layout} causal={causal}"
+    _assert_close_grads([t.grad for t in (q, k, v)], want, q.dtype, what)
 
 
 @pytest.mark.parametrize("backend", _backends())
@@ -167,7 +182,7 @@ def test_fp32_trains_on_the_reference_with_one_warning(caplog):
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("where", ["q", "k", "v", "grad_out"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
-def test_non_finite_in_one_segment_stays_there(backend, where, bad, request):
+def test_non_finite_in_one_segment_stays_there(backward_kernel, backend, where, bad, request):
     """A NaN/Inf in one segment's q, k, v or output gradient changes no other
     segment's gradients (nor forward outputs).
 
@@ -200,6 +215,18 @@ def test_non_finite_in_one_segment_stays_there(backend, where, bad, request):
     assert torch.equal(out[other], clean_out[other])
     for name, a, b in zip(("dq", "dk", "dv"), grads, clean):
         assert torch.equal(a[other], b[other]), f"{name} of other segments changed"
+
+
+@pytest.mark.skipif("fa4" not in _backward_kernels(), reason="flash-attn-4 not installed (or not SM90)")
+def test_auto_trains_on_fa4_when_installed(monkeypatch, caplog):
+    monkeypatch.delenv("RAGGED_COMPILE_BACKWARD", raising=False)
+    calls = []
+    real = fa4_backward._kernel
+    monkeypatch.setattr(fa4_backward, "_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, cq, ck = _case([100, 3, 0, 260], [100, 3, 0, 260], 8, 2, 128)
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"):
+        rc.ragged_attention(q, k, v, cq, causal=True).sum().backward()
+    assert calls == [1] and not caplog.records
 
 
 def test_empty_batches_give_zero_gradients():

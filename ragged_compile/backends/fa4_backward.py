@@ -1,0 +1,157 @@
+"""flash-attn-4's varlen backward (CuTe DSL, ``pip install 'ragged-compile[fa4]'``)
+as the CUDA backward of the op on SM90, where it is about twice as fast as
+PyTorch's FlashAttention-2 backward (bench/results/probe_fa4.json, H200).
+
+Contract of ``flash_attn.cute.interface._flash_attn_bwd`` (4.0.0b36, read from
+its source and probed on the H200 against float64 autograd):
+
+* ``lse`` is aten's: fp32 ``[Hq, Tq]``, natural log, scale included; ``+inf``
+  for rows that see no key is fine. GQA native, causal bottom-right aligned as
+  ours, empty q and k segments and an all-empty k give zero gradients.
+* Head dims 64, 96, 128 and 256 are correct; 72 and 80 gave a wrong dq, so
+  inputs are zero-padded to the next of those (with the true dim's scale).
+* **Its tiles read past a segment's end**: a q tile of segment i loads the first
+  rows of segment i+1 (k tiles likewise), and masks them only through the LSE,
+  so a NaN or Inf there reaches segment i's dk/dv (dq). To keep segments
+  independent, every segment is laid out padded with zero rows to a multiple of
+  the kernel's tile (``cu_seqlens``: the padded starts; ``seqused``: the true
+  lengths). The layout is built on the device, with no sync: the padded total
+  is bounded on the host by ``T + n * (tile - 1) + tile``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["installed", "unsupported_reason", "backward", "padded_head_dim"]
+
+log = logging.getLogger("ragged_compile")
+
+DTYPES = (torch.float16, torch.bfloat16)
+_HEAD_DIMS = (64, 96, 128, 256)  # verified on the H200; others pad up to one of these
+
+
+def padded_head_dim(d: int) -> int:
+    return next(p for p in _HEAD_DIMS if p >= d)
+
+
+@functools.cache
+def _interface():
+    """flash_attn.cute.interface, or the reason it cannot be used (imported once: ~6 s)."""
+    try:
+        from flash_attn.cute import interface
+    except Exception as e:  # noqa: BLE001 - any import failure means "not installed/usable"
+        return f"flash-attn-4 is not importable ({type(e).__name__}: {str(e)[:200]})"
+    missing = [name for name in ("_flash_attn_bwd", "_tile_size_bwd_sm90") if not hasattr(interface, name)]
+    if missing:
+        return f"this flash-attn-4 lacks {', '.join(missing)} (verified with 4.0.0b36)"
+    return interface
+
+
+@functools.cache
+def installed() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why FA4's backward cannot take this call (FA2's will), or None. Imports
+    flash-attn-4 only when everything else fits."""
+    if device.type != "cuda":
+        return "flash-attn-4 is CUDA-only"
+    if not installed():
+        return "flash-attn-4 is not installed"
+    if dtype not in DTYPES:
+        return f"flash-attn-4 takes float16/bfloat16, got {dtype}"
+    if head_dim > _HEAD_DIMS[-1]:
+        return f"flash-attn-4 takes head_dim <= {_HEAD_DIMS[-1]}, got {head_dim}"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    if major != 9:
+        # Only SM90's tile sizes are known here (and verified); SM100 tiles differ.
+        return f"flash-attn-4's backward is used on SM90 only, this GPU is SM{major}{minor}"
+    interface = _interface()
+    return interface if isinstance(interface, str) else None
+
+
+def _tiles(d: int, causal: bool) -> tuple[int, int]:
+    cfg = _interface()._tile_size_bwd_sm90(d, d, causal, False)
+    return cfg.m_block_size, cfg.n_block_size
+
+
+def _padded_layout(cu: torch.Tensor, total: int, tile: int):
+    """Segments padded to multiples of ``tile``: (padded offsets int32, true lengths
+    int32, destination row of each real row, rows to allocate)."""
+    n = cu.numel() - 1
+    cu = cu.to(torch.int32)
+    lens = cu[1:] - cu[:-1]
+    padded = (lens + (tile - 1)) // tile * tile
+    cu_pad = F.pad(padded.cumsum(0, dtype=torch.int32), (1, 0))
+    shift = (cu_pad[:-1] - cu[:-1]).to(torch.int64)
+    dst = torch.arange(total, device=cu.device) + torch.repeat_interleave(shift, lens, output_size=total)
+    # + tile: the last segment's tile may read up to a tile past its padded end.
+    return cu_pad, lens, dst, total + n * (tile - 1) + tile
+
+
+def _scatter(x: torch.Tensor, dst: torch.Tensor, rows: int, dp: int) -> torch.Tensor:
+    out = x.new_zeros((rows, x.shape[1], dp))
+    out[:, :, : x.shape[-1]].index_copy_(0, dst, x)
+    return out
+
+
+def backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) for ``out = ragged_attention(q, k, v, cu_q, cu_k, causal, scale)``;
+    ``lse`` in aten's layout. The caller checked :func:`unsupported_reason`."""
+    Tq, Tk, d = q.shape[0], k.shape[0], q.shape[-1]
+    if cu_q.numel() <= 1 or Tq == 0 or Tk == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dp = padded_head_dim(d)
+    tile_m, tile_n = _tiles(dp, causal)
+    cu_pq, lens_q, dst_q, rows_q = _padded_layout(cu_q, Tq, tile_m)
+    cu_pk, lens_k, dst_k, rows_k = _padded_layout(cu_k, Tk, tile_n)
+    lse_p = lse.new_full((lse.shape[0], rows_q), float("inf"))
+    lse_p.index_copy_(1, dst_q, lse)
+    dq, dk, dv = _kernel(
+        _scatter(q, dst_q, rows_q, dp),
+        _scatter(k, dst_k, rows_k, dp),
+        _scatter(v, dst_k, rows_k, dp),
+        _scatter(out, dst_q, rows_q, dp),
+        _scatter(grad_out.to(q.dtype), dst_q, rows_q, dp),
+        lse_p,
+        softmax_scale=scale,
+        causal=causal,
+        cu_seqlens_q=cu_pq,
+        cu_seqlens_k=cu_pk,
+        seqused_q=lens_q,
+        seqused_k=lens_k,
+    )
+    return (
+        dq.index_select(0, dst_q)[..., :d].contiguous(),
+        dk.index_select(0, dst_k)[..., :d].contiguous(),
+        dv.index_select(0, dst_k)[..., :d].contiguous(),
+    )
+
+
+def _kernel(*args, **kwargs):
+    # One seam for FA4: CPU tests put a reference of its contract (tile overrun
+    # included) here.
+    return _interface()._flash_attn_bwd(*args, **kwargs)

@@ -1,0 +1,176 @@
+"""The flash-attn-4 backward wrapper (backends/fa4_backward.py) on CPU, against a
+float64 model of the kernel's contract that reproduces its one hazard: tiles
+that read rows past a segment's end (so a NaN there reaches the segment's
+gradients). The kernel itself runs in tests/test_train_cuda.py and the gradient
+fuzz on the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ragged_compile import train_ops
+from ragged_compile.backends import fa4_backward
+from ragged_compile.reference import reference_attention, reference_attention_backward
+
+TILES = (5, 7)  # odd tiles, so padded and unpadded layouts differ everywhere
+
+
+def fa4_contract(q, k, v, out, dout, lse, *, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+    """FA4's varlen backward as it computes: a segment's q tiles read whole
+    tiles of q/out/dout from its start (rows past ``seqused`` included, masked
+    only through an LSE of +inf), its k tiles whole tiles of k/v (masked scores,
+    but dq = dS @ K still multiplies those rows by zero)."""
+    for t in (q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+        assert t.is_contiguous()
+    assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and lse.dtype == torch.float32
+    assert lse.shape == (q.shape[1], q.shape[0]) and q.dtype == k.dtype == out.dtype == dout.dtype
+    assert q.shape[-1] in (64, 96, 128, 256) or q.shape[-1] <= 16, "head dim FA4 computes wrongly"
+    tm, tn = TILES
+    f = torch.float64
+    dq, dk, dv = (torch.zeros(t.shape, dtype=f) for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    for i in range(cu_seqlens_q.numel() - 1):
+        sq, sk = int(cu_seqlens_q[i]), int(cu_seqlens_k[i])
+        lq, lk = int(seqused_q[i]), int(seqused_k[i])
+        if lq == 0 or lk == 0:
+            continue
+        rq, rk = -(-lq // tm) * tm, -(-lk // tn) * tn
+        Q, O, dO = (t[sq : sq + rq].to(f) for t in (q, out, dout))
+        K, V = (t[sk : sk + rk].to(f).repeat_interleave(group, 1) for t in (k, v))
+        L = lse[:, sq : sq + rq].to(f).clone()
+        L[:, lq:] = math.inf
+        S = torch.einsum("qhd,khd->hqk", Q, K) * softmax_scale
+        keep = torch.ones(rq, rk, dtype=torch.bool)
+        keep[:, lk:] = False
+        if causal:
+            keep &= torch.arange(rk)[None, :] <= torch.arange(rq)[:, None] + (lk - lq)
+        S = torch.where(keep, S, -math.inf)
+        P = torch.exp(S - L[..., None])
+        dP = torch.einsum("qhd,khd->hqk", dO, V)
+        D = (dO * O).sum(-1).t()[..., None]
+        dS = P * (dP - D) * softmax_scale
+        gq = torch.einsum("hqk,khd->qhd", dS, K)
+        gk = torch.einsum("hqk,qhd->khd", dS, Q)
+        gv = torch.einsum("hqk,qhd->khd", P, dO)
+        dq[sq : sq + lq] = gq[:lq]
+        dk[sk : sk + lk] += gk[:lk].unflatten(1, (-1, group)).sum(2)
+        dv[sk : sk + lk] += gv[:lk].unflatten(1, (-1, group)).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@pytest.fixture
+def fa4(monkeypatch):
+    monkeypatch.setattr(fa4_backward, "_kernel", fa4_contract)
+    monkeypatch.setattr(fa4_backward, "_tiles", lambda d, causal: TILES)
+
+
+def _case(lq, lk, hq=4, hkv=2, d=8, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lq), hq, d, generator=g, dtype=dtype)
+    k = torch.randn(sum(lk), hkv, d, generator=g, dtype=dtype)
+    v = torch.randn(sum(lk), hkv, d, generator=g, dtype=dtype)
+    go = torch.randn(q.shape, generator=g, dtype=dtype)
+    cq = torch.tensor([0] + lq).cumsum(0).int()
+    ck = torch.tensor([0] + lk).cumsum(0).int()
+    return q, k, v, go, cq, ck
+
+
+def _grads(q, k, v, go, cq, ck, causal, scale):
+    out = reference_attention(q, k, v, cq, ck, causal, scale)
+    lse = train_ops.reference_lse(q, k, cq, ck, causal, scale)
+    return fa4_backward.backward(go, q, k, v, out, lse, cq, ck, causal, scale)
+
+
+LAYOUTS = [
+    ([3, 0, 1, 5, 12], [2, 4, 0, 6, 11]),  # empty q and k segments, Lq > Lk and Lq < Lk
+    ([4, 1, 7, 1], [4, 1, 7, 1]),  # self, one-token segments
+    ([5, 10], [0, 0]),  # all-empty k
+    ([10, 14], [10, 14]),  # multiples of both tiles
+]
+
+
+@pytest.mark.parametrize("lq,lk", LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 1)])
+def test_gradients_match_the_exact_reference(fa4, lq, lk, causal, hq, hkv):
+    q, k, v, go, cq, ck = _case(lq, lk, hq, hkv)
+    got = _grads(q, k, v, go, cq, ck, causal, 0.3)
+    want = reference_attention_backward(go, q, k, v, cq, ck, causal, 0.3)
+    for name, a, b in zip("qkv", got, want):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"d{name}")  # the LSE is fp32
+
+
+def test_head_dims_fa4_gets_wrong_are_padded_with_the_true_scale(fa4):
+    assert [fa4_backward.padded_head_dim(d) for d in (32, 64, 72, 80, 96, 100, 128, 160, 256)] == [
+        64, 64, 96, 96, 96, 128, 128, 256, 256,
+    ]
+    q, k, v, go, cq, ck = _case([6, 3], [4, 9], 2, 2, d=72)
+    scale = 72**-0.5
+    got = _grads(q, k, v, go, cq, ck, True, scale)
+    want = reference_attention_backward(go, q, k, v, cq, ck, True, scale)
+    for a, b in zip(got, want):
+        assert a.shape[-1] == 72
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v", "grad_out"])
+@pytest.mark.parametrize("poison", [math.nan, math.inf])
+def test_non_finite_in_one_segment_stays_there(fa4, where, poison):
+    lq, lk = [6, 4, 9, 3], [8, 3, 5, 6]
+    q, k, v, go, cq, ck = _case(lq, lk)
+    clean = _grads(q, k, v, go, cq, ck, False, 0.3)
+    seg = 1
+    t = {"q": q, "k": k, "v": v, "grad_out": go}[where].clone()
+    cu = cq if where in ("q", "grad_out") else ck
+    t[int(cu[seg]) : int(cu[seg + 1])] = poison
+    args = {"q": q, "k": k, "v": v, "grad_out": go, where: t}
+    got = _grads(args["q"], args["k"], args["v"], args["grad_out"], cq, ck, False, 0.3)
+    for g, c, cu in zip(got, clean, (cq, ck, ck)):
+        for i in range(len(lq)):
+            if i == seg:
+                continue
+            rows = slice(int(cu[i]), int(cu[i + 1]))
+            assert torch.equal(g[rows], c[rows]), f"segment {i} changed by a {poison} in segment {seg}'s {where}"
+
+
+def test_the_contract_model_leaks_without_the_padding(fa4, monkeypatch):
+    """The isolation test above can fail: unpadded, the model of the kernel leaks."""
+
+    def unpadded(cu, total, tile):
+        cu = cu.to(torch.int32)
+        return cu, cu[1:] - cu[:-1], torch.arange(total), total + tile
+
+    monkeypatch.setattr(fa4_backward, "_padded_layout", unpadded)
+    q, k, v, go, cq, ck = _case([6, 4], [8, 3])
+    q = q.clone()
+    q[6:] = math.nan
+    dq, dk, dv = _grads(q, k, v, go, cq, ck, False, 0.3)
+    assert not torch.isfinite(dk[:8]).all() or not torch.isfinite(dv[:8]).all()
+
+
+def test_backward_kernel_choice(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa2")
+    assert train_ops.backward_kernel(cpu, torch.bfloat16, 128) == "fa2"
+    monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
+    assert train_ops.backward_kernel(cpu, torch.bfloat16, 128) == "fa2"
+    monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa4")
+    with pytest.raises(RuntimeError, match="RAGGED_COMPILE_BACKWARD=fa4, but flash-attn-4 is CUDA-only"):
+        train_ops.backward_kernel(cpu, torch.bfloat16, 128)
+    monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa5")
+    with pytest.raises(ValueError, match="must be one of"):
+        train_ops.backward_kernel(cpu, torch.bfloat16, 128)
+
+
+def test_unsupported_reasons_name_the_limit(monkeypatch):
+    monkeypatch.setattr(fa4_backward, "installed", lambda: True)
+    cuda = torch.device("cuda", 0)
+    assert "float16/bfloat16" in fa4_backward.unsupported_reason(cuda, torch.float32, 128)
+    assert "head_dim <= 256" in fa4_backward.unsupported_reason(cuda, torch.bfloat16, 320)
+    monkeypatch.setattr(fa4_backward, "installed", lambda: False)
+    assert fa4_backward.unsupported_reason(cuda, torch.bfloat16, 128) == "flash-attn-4 is not installed"

@@ -25,7 +25,7 @@ export PYTHONPATH=/tmp/site:$PWD
 aot=/tmp/site/flashinfer/data/aot
 mkdir -p "$aot" /tmp/fiws /tmp/fa4cache
 cat .fiaot/*.part-* 2>/dev/null | tar xzf - -C "$aot"
-cat .fa4cache/*.tgz 2>/dev/null | tar xzf - -C /tmp/fa4cache
+for cache in .fa4cache/*.tgz; do [ -f "$cache" ] && tar xzf "$cache" -C /tmp/fa4cache; done
 export FLASHINFER_WORKSPACE_BASE=/tmp/fiws MAX_JOBS=16 FLASHINFER_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
 "$@"

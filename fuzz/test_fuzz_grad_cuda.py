@@ -181,6 +181,8 @@ def test_gradients_match_float64_autograd():
         ran["empty_segment"] += 0 in case.q_lens or 0 in case.kv_lens
         ran["all_k_empty"] += case.layout.total_k == 0
         ran["causal_lq_gt_lk"] += case.causal and any(a > b for a, b in zip(case.q_lens, case.kv_lens))
+        if ran["examples"] % 100 == 0:  # progress that survives a time limit
+            print(f"\n{ran['examples']} examples passed so far ({dict(ran)})", flush=True)
 
     for c in EXAMPLES:
         check = example(case=c)(check)

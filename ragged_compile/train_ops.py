@@ -217,11 +217,21 @@ def backward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
     """The CUDA backward a training call runs: ``"fa4"`` (flash-attn-4, twice as
     fast on SM90, when installed) or ``"fa2"`` (PyTorch's FlashAttention-2).
     ``RAGGED_COMPILE_BACKWARD=fa2|fa4`` forces one; ``fa4`` where it cannot run
-    is an error that says why."""
+    is an error that says why. Under ``torch.use_deterministic_algorithms(True)``
+    it is FA2 (FA4's atomics make dq differ run to run in its last bits)."""
     choice = os.environ.get("RAGGED_COMPILE_BACKWARD", "auto")
     if choice not in BACKWARD_KERNELS:
         raise ValueError(f"RAGGED_COMPILE_BACKWARD must be one of {BACKWARD_KERNELS}, got {choice!r}")
     if choice == "fa2":
+        return "fa2"
+    if torch.are_deterministic_algorithms_enabled():
+        # FA4 accumulates dq (and GQA's dk/dv) with atomics; aten's FA2 backward
+        # honours the flag itself.
+        if choice == "fa4":
+            raise RuntimeError(
+                "RAGGED_COMPILE_BACKWARD=fa4, but torch.use_deterministic_algorithms(True) is set and "
+                "flash-attn-4's backward is not bitwise deterministic; unset one of them"
+            )
         return "fa2"
     reason = fa4_backward.unsupported_reason(device, dtype, head_dim)
     if reason is None:

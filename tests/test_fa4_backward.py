@@ -162,6 +162,16 @@ def test_backward_kernel_choice(monkeypatch):
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa4")
     with pytest.raises(RuntimeError, match="RAGGED_COMPILE_BACKWARD=fa4, but flash-attn-4 is CUDA-only"):
         train_ops.backward_kernel(cpu, torch.bfloat16, 128)
+    monkeypatch.setattr(fa4_backward, "unsupported_reason", lambda *a: None)
+    assert train_ops.backward_kernel(cpu, torch.bfloat16, 128) == "fa4"
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(RuntimeError, match="not bitwise deterministic"):
+            train_ops.backward_kernel(cpu, torch.bfloat16, 128)
+        monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
+        assert train_ops.backward_kernel(cpu, torch.bfloat16, 128) == "fa2"
+    finally:
+        torch.use_deterministic_algorithms(False)
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa5")
     with pytest.raises(ValueError, match="must be one of"):
         train_ops.backward_kernel(cpu, torch.bfloat16, 128)

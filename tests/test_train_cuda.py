@@ -47,6 +47,15 @@ def backward_kernel(request, monkeypatch):
     return request.param
 
 
+def _spy_fused_backward(monkeypatch) -> list:
+    """Counts calls of the fused backward kernels (FA2's or FA4's, whichever runs)."""
+    calls = []
+    for module in (flash_backward, fa4_backward):
+        real = module._kernel
+        monkeypatch.setattr(module, "_kernel", lambda *a, _real=real, **kw: calls.append(1) or _real(*a, **kw))
+    return calls
+
+
 def _cu(lens):
     return torch.tensor([0] + list(lens)).cumsum(0).to("cuda", torch.int32)
 
@@ -143,9 +152,7 @@ def test_lse_matches_aten_forward(backend, causal, d):
 
 
 def test_public_function_trains_on_fused_kernels_without_warning(monkeypatch, caplog):
-    calls = []
-    real = flash_backward._kernel
-    monkeypatch.setattr(flash_backward, "_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = _spy_fused_backward(monkeypatch)
     q, k, v, cq, ck = _case([40, 3, 0, 17], [40, 3, 0, 17], 8, 2, 64)
     rt = Runtime()
     with caplog.at_level(logging.WARNING, logger="ragged_compile"), rt.step():
@@ -214,7 +221,13 @@ def test_non_finite_in_one_segment_stays_there(backward_kernel, backend, where, 
     other[cq[1] : cq[2]] = False  # self layout: q rows and k rows coincide
     assert torch.equal(out[other], clean_out[other])
     for name, a, b in zip(("dq", "dk", "dv"), grads, clean):
-        assert torch.equal(a[other], b[other]), f"{name} of other segments changed"
+        assert bool(torch.isfinite(a[other]).all()), f"{name} of other segments not finite"
+        if backward_kernel == "fa4":
+            # FA4 accumulates dq (and GQA's dk/dv) with atomics: run-to-run order
+            # noise, so equal up to bf16 rounding rather than bit for bit.
+            torch.testing.assert_close(a[other], b[other], rtol=2e-2, atol=2e-2, msg=f"{name} of other segments changed")
+        else:
+            assert torch.equal(a[other], b[other]), f"{name} of other segments changed"
 
 
 @pytest.mark.skipif("fa4" not in _backward_kernels(), reason="flash-attn-4 not installed (or not SM90)")
@@ -283,9 +296,7 @@ def test_compiled_njt_encoder_trains_on_our_op(monkeypatch, caplog, checkpoint):
 
     torch._dynamo.reset()
     counters.clear()
-    calls = []
-    real = flash_backward._kernel
-    monkeypatch.setattr(flash_backward, "_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = _spy_fused_backward(monkeypatch)
     model = _encoder(checkpoint=checkpoint).cuda().to(torch.bfloat16)
     compiled = rc.compile(model)
     rt = rc.runtime.get_runtime(torch.device("cuda", torch.cuda.current_device()))
@@ -344,9 +355,7 @@ def test_compiled_varlen_attn_trains_on_our_forward():
 def test_eager_njt_sdpa_with_gqa_trains_on_our_op(monkeypatch, caplog):
     """Eager NJT SDPA under enable(): GQA (which stock NJT SDPA rejects) trains on
     our forward and the fused backward, with the dense per-sequence gradients."""
-    calls = []
-    real = flash_backward._kernel
-    monkeypatch.setattr(flash_backward, "_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = _spy_fused_backward(monkeypatch)
     torch.manual_seed(0)
     layer = SelfAttentionLayer(256, 8, kv_heads=2, causal=True).cuda().to(torch.bfloat16)
     lens = [33, 1, 250, 7]

@@ -105,11 +105,7 @@ def run_variant(name: str, args) -> dict:
     rt = get_runtime(dev)
 
     def step():
-        opt.zero_grad(set_to_none=True)
-        loss = (values(fn(inp)).float() - target.float()).square().mean()
-        loss.backward()
-        opt.step()
-        return loss
+        return bt.train_step(opt, fn, inp, values, target)
 
     res = {"tokens": T, "d": d, "layers": layers}
     step()

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Training on two GPUs in one device call, inside bench/gpu_session.sh (with
-# flash-attn-4 staged: bench/stage_fa4.sh): GPU 0 runs the gradient fuzz, GPU 1
+# flash-attn-4 staged: bench/stage_fa4.sh): GPU 0 runs the gradient fuzz (on
+# flash-attn-4's backward for every layout, FUZZ_BACKWARD=auto to let short
+# segments go to FA2), GPU 1
 # the CUDA training tests and the training benchmarks, then, if time is left,
 # the two-GPU tests. Results land in $OUT/results-train.tgz.
 set -u
@@ -12,7 +14,7 @@ python3 -c "import json, sys; sys.path.insert(0, 'bench'); from env import envir
 cat "$R/environment.json"
 (
   export CUDA_VISIBLE_DEVICES=0
-  timeout -s INT -k 15 "${T_FUZZ:-400}" env RAGGED_COMPILE_BACKEND=fa2 RAGGED_FUZZ_GRAD_EXAMPLES="${GRAD_N:-1000}" python3 -m pytest -q -s \
+  timeout -s INT -k 15 "${T_FUZZ:-400}" env RAGGED_COMPILE_BACKEND=fa2 RAGGED_COMPILE_BACKWARD="${FUZZ_BACKWARD:-fa4}" RAGGED_FUZZ_GRAD_EXAMPLES="${GRAD_N:-1000}" python3 -m pytest -q -s \
     -p no:cacheprovider fuzz/test_fuzz_grad_cuda.py --junitxml="$R/grad-fuzz.xml" > "$R/grad-fuzz.log" 2>&1
   echo "grad-fuzz: exit $? at $((SECONDS - t0)) s"
 ) &

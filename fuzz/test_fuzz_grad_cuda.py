@@ -172,7 +172,8 @@ def test_gradients_match_float64_autograd():
         for name, a, b in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want):
             _check(name, a, b, case.dtype, case)
         ran["examples"] += 1
-        ran["backward_" + train_ops.backward_kernel(q.device, q.dtype, q.shape[-1])] += 1
+        layout = (len(case.q_lens), case.layout.total_q, case.layout.total_k)
+        ran["backward_" + train_ops.backward_kernel(q.device, q.dtype, q.shape[-1], layout)] += 1
         ran[str(case.dtype)] += 1
         ran[f"d{case.head_dim}"] += 1
         ran[f"gqa{case.hq // case.hkv}"] += 1

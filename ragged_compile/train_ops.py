@@ -201,9 +201,18 @@ def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens, causal,
 
 
 @_attention_lse_backward.register_kernel("cuda")
-def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens, causal, scale):
-    if backward_kernel(q.device, q.dtype, q.shape[-1]) == "fa4":
-        return fa4_backward.backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale)
+def _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens, causal, scale):
+    layout = (cu_seqlens_q.numel() - 1, q.shape[0], k.shape[0])
+    if backward_kernel(q.device, q.dtype, q.shape[-1], layout) == "fa4":
+        try:
+            return fa4_backward.backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # a JIT or launch failure of the pre-release: FA2 from now on
+            if os.environ.get("RAGGED_COMPILE_BACKWARD") == "fa4":
+                raise
+            fa4_backward.disable(f"its backward failed ({type(e).__name__}: {str(e)[:300]})")
+            _warn_fa4_once(fa4_backward.unsupported_reason(q.device, q.dtype, q.shape[-1]))
     max_q, max_k = max_lens.tolist()  # a CPU tensor: no sync
     return flash_backward.backward(
         grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale
@@ -213,12 +222,18 @@ def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens, causal,
 BACKWARD_KERNELS = ("auto", "fa2", "fa4")
 
 
-def backward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+def backward_kernel(
+    device: torch.device, dtype: torch.dtype, head_dim: int, layout: tuple[int, int, int] | None = None
+) -> str:
     """The CUDA backward a training call runs: ``"fa4"`` (flash-attn-4, twice as
     fast on SM90, when installed) or ``"fa2"`` (PyTorch's FlashAttention-2).
+    ``layout``, (segments, total q, total k): floods of short segments stay on
+    FA2 (:func:`fa4_backward.pads_little`).
+
     ``RAGGED_COMPILE_BACKWARD=fa2|fa4`` forces one; ``fa4`` where it cannot run
     is an error that says why. Under ``torch.use_deterministic_algorithms(True)``
-    it is FA2 (FA4's atomics make dq differ run to run in its last bits)."""
+    it is FA2 (FA4's atomics make dq differ run to run in its last bits). If
+    FA4's kernel fails once (a pre-release), FA2 from then on, with a WARNING."""
     choice = os.environ.get("RAGGED_COMPILE_BACKWARD", "auto")
     if choice not in BACKWARD_KERNELS:
         raise ValueError(f"RAGGED_COMPILE_BACKWARD must be one of {BACKWARD_KERNELS}, got {choice!r}")
@@ -235,6 +250,8 @@ def backward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
         return "fa2"
     reason = fa4_backward.unsupported_reason(device, dtype, head_dim)
     if reason is None:
+        if choice == "auto" and layout is not None and not fa4_backward.pads_little(*layout):
+            return "fa2"
         return "fa4"
     if choice == "fa4":
         raise RuntimeError(f"RAGGED_COMPILE_BACKWARD=fa4, but {reason}; unset it to use FlashAttention-2's backward")

@@ -31,11 +31,15 @@ def fa4_contract(q, k, v, out, dout, lse, *, softmax_scale, causal, cu_seqlens_q
     assert q.shape[-1] in (64, 96, 128, 256) or q.shape[-1] <= 16, "head dim FA4 computes wrongly"
     tm, tn = TILES
     f = torch.float64
-    dq, dk, dv = (torch.zeros(t.shape, dtype=f) for t in (q, k, v))
+    # Rows outside every segment are never written (FA4 allocates with empty_like).
+    dq, dk, dv = (torch.full(t.shape, math.nan, dtype=f) for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     for i in range(cu_seqlens_q.numel() - 1):
         sq, sk = int(cu_seqlens_q[i]), int(cu_seqlens_k[i])
         lq, lk = int(seqused_q[i]), int(seqused_k[i])
+        dq[sq : sq + lq] = 0
+        dk[sk : sk + lk] = 0
+        dv[sk : sk + lk] = 0
         if lq == 0 or lk == 0:
             continue
         rq, rk = -(-lq // tm) * tm, -(-lk // tn) * tn
@@ -184,3 +188,58 @@ def test_unsupported_reasons_name_the_limit(monkeypatch):
     assert "head_dim <= 256" in fa4_backward.unsupported_reason(cuda, torch.bfloat16, 320)
     monkeypatch.setattr(fa4_backward, "installed", lambda: False)
     assert fa4_backward.unsupported_reason(cuda, torch.bfloat16, 128) == "flash-attn-4 is not installed"
+
+
+def test_floods_of_short_segments_stay_on_fa2(monkeypatch):
+    monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
+    monkeypatch.setattr(fa4_backward, "unsupported_reason", lambda *a: None)
+    cuda = torch.device("cuda", 0)
+    assert fa4_backward.pads_little(16, 34043, 34043) and not fa4_backward.pads_little(300, 9000, 9000)
+    assert not fa4_backward.pads_little(16, 34043, 77 * 16)  # short text k/v of a cross-attention
+    assert train_ops.backward_kernel(cuda, torch.bfloat16, 128, (16, 34043, 34043)) == "fa4"
+    assert train_ops.backward_kernel(cuda, torch.bfloat16, 128, (300, 9000, 9000)) == "fa2"
+    monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa4")  # asked for: used anyway
+    assert train_ops.backward_kernel(cuda, torch.bfloat16, 128, (300, 9000, 9000)) == "fa4"
+
+
+def test_a_failing_fa4_kernel_falls_back_to_fa2_once_with_a_warning(monkeypatch, caplog):
+    """A pre-release can fail to compile or launch: auto mode warns once and
+    trains on FA2 from then on; a forced fa4 raises."""
+    monkeypatch.setattr(fa4_backward, "_disabled", None)
+    monkeypatch.setattr(fa4_backward, "installed", lambda: True)
+    real_reason = fa4_backward.unsupported_reason
+    monkeypatch.setattr(
+        fa4_backward, "unsupported_reason",
+        lambda *a: fa4_backward._disabled,  # usable until disabled
+    )
+    calls = []
+
+    def broken(*a, **kw):
+        calls.append("fa4")
+        raise RuntimeError("DSL compile error")
+
+    monkeypatch.setattr(fa4_backward, "backward", broken)
+    monkeypatch.setattr(fa4_backward, "pads_little", lambda *a: True)
+    monkeypatch.setattr(train_ops.flash_backward, "backward", lambda *a: calls.append("fa2") or ("dq", "dk", "dv"))
+    q, k, v, go, cq, ck = _case([6, 4], [6, 4], dtype=torch.bfloat16)
+    args = (go, q, k, v, q, torch.zeros(4, 10), cq, ck, torch.tensor([6, 6]), False, 0.3)
+    monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
+    with caplog.at_level("WARNING", logger="ragged_compile"):
+        assert train_ops._cuda_backward(*args) == ("dq", "dk", "dv")
+        assert train_ops._cuda_backward(*args) == ("dq", "dk", "dv")
+    assert calls == ["fa4", "fa2", "fa2"]
+    warned = [r.getMessage() for r in caplog.records if "DSL compile error" in r.getMessage()]
+    assert len(warned) == 1 and "FlashAttention-2" in warned[0]
+    monkeypatch.setattr(fa4_backward, "_disabled", None)
+    monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa4")
+    with pytest.raises(RuntimeError, match="DSL compile error"):
+        train_ops._cuda_backward(*args)
+    assert real_reason(torch.device("cpu"), torch.bfloat16, 128) == "flash-attn-4 is CUDA-only"
+
+
+def test_only_verified_versions_are_used(monkeypatch):
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "4.0.0b99")
+    reason = fa4_backward._interface.__wrapped__()
+    assert isinstance(reason, str) and "4.0.0b99 is not a verified version (4.0.0b36)" in reason

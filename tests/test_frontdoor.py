@@ -315,13 +315,14 @@ def test_non_contiguous_njt_input():
 
 def test_batches_of_one_share_the_graph_and_a_one_token_total_costs_one_more():
     """The token total stays backed (compiler._dynamic_layouts says why): a
-    batch of one token compiles a second graph once; everything else, one-token
-    segments and batches of one segment included, shares the first."""
+    batch of one token compiles a second graph once, an empty batch a third;
+    everything else, one-token segments and batches of one segment included,
+    shares the first."""
     model = encoder(E, H)
     compiled = ragged_compile.compile(model, backend="aot_eager", fullgraph=True)
     graphs = []
     with torch.no_grad():
-        for lens in ([5, 3, 9], [3], [1, 1, 1], [2, 1], [7, 1, 4], [1], [1], [4, 1]):
+        for lens in ([5, 3, 9], [3], [1, 1, 1], [2, 1], [7, 1, 4], [1], [1], [4, 1], [0, 0], [0]):
             x = njt(lens, E)
             torch.testing.assert_close(compiled(x).values(), dense_reference(model, x), atol=2e-5, rtol=1e-4)
             # The marks come off after the call: a plain torch.compile sees the tensors as given.
@@ -329,7 +330,7 @@ def test_batches_of_one_share_the_graph_and_a_one_token_total_costs_one_more():
                 assert 0 not in getattr(t, "_dynamo_unbacked_indices", ())
                 assert 0 not in getattr(t, "_dynamo_weak_dynamic_indices", ())
             graphs.append(counters["stats"]["unique_graphs"])
-    assert graphs == [1, 1, 1, 1, 1, 2, 2, 2]
+    assert graphs == [1, 1, 1, 1, 1, 2, 2, 2, 3, 3]
 
 
 def test_backed_size_oblivious_is_never_turned_on(monkeypatch):

@@ -189,7 +189,10 @@ def test_fp32_trains_on_the_reference_with_one_warning(caplog):
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("where", ["q", "k", "v", "grad_out"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
-def test_non_finite_in_one_segment_stays_there(backward_kernel, backend, where, bad, request):
+# Each of FA4's SM90 tile shapes (q x k rows): 128x128 (d 64), 64x128 (d 72 -> 96,
+# and causal d 128), 80x128 (d 128), 64x48 (d 256).
+@pytest.mark.parametrize("hq,hkv,d,causal", [(8, 2, 64, False), (4, 4, 72, False), (8, 8, 128, False), (8, 2, 128, True), (4, 2, 256, True)])
+def test_non_finite_in_one_segment_stays_there(backward_kernel, backend, where, bad, hq, hkv, d, causal, request):
     """A NaN/Inf in one segment's q, k, v or output gradient changes no other
     segment's gradients (nor forward outputs).
 
@@ -199,10 +202,12 @@ def test_non_finite_in_one_segment_stays_there(backward_kernel, backend, where, 
     we cannot mask from outside; backend="fa2" isolates fully. Strict, so a
     FlashInfer that fixes it fails here and the README's note can go.
     """
+    if backend == "fa3" and d not in (64, 128):
+        pytest.skip("fa3 cases stay on the warmed head dims")
     if backend == "fa3" and where == "v":
         request.applymarker(pytest.mark.xfail(strict=True, reason="FlashInfer fa3 forward reads v across segment ends"))
     lens = [37, 64, 5, 120]
-    q, k, v, cq, ck = _case(lens, lens, 8, 2, 64)
+    q, k, v, cq, ck = _case(lens, lens, hq, hkv, d)
     g = torch.randn(q.shape, device="cuda", dtype=q.dtype)
 
     def run(poison):
@@ -211,7 +216,7 @@ def test_non_finite_in_one_segment_stays_there(backward_kernel, backend, where, 
             xs[where][cq[1] + 3 if where in ("q", "grad_out") else ck[1] + 3] = bad  # segment 1
         leaves = [xs[n].requires_grad_() for n in ("q", "k", "v")]
         with Runtime(backend=backend).step():
-            out = rc.ragged_attention(*leaves, cq, causal=False)
+            out = rc.ragged_attention(*leaves, cq, causal=causal)
         out.backward(xs["grad_out"])
         return out.detach(), [t.grad for t in leaves]
 
@@ -236,7 +241,7 @@ def test_auto_trains_on_fa4_when_installed(monkeypatch, caplog):
     calls = []
     real = fa4_backward._kernel
     monkeypatch.setattr(fa4_backward, "_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    q, k, v, cq, ck = _case([100, 3, 0, 260], [100, 3, 0, 260], 8, 2, 128)
+    q, k, v, cq, ck = _case([300, 3, 0, 700], [300, 3, 0, 700], 8, 2, 128)  # pads little: not a flood of short ones
     with caplog.at_level(logging.WARNING, logger="ragged_compile"):
         rc.ragged_attention(q, k, v, cq, causal=True).sum().backward()
     assert calls == [1] and not caplog.records

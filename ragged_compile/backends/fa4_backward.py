@@ -33,6 +33,11 @@ log = logging.getLogger("ragged_compile")
 
 DTYPES = (torch.float16, torch.bfloat16)
 _HEAD_DIMS = (64, 96, 128, 256)  # verified on the H200; others pad up to one of these
+# Isolation rests on its private tile choice (_tile_size_bwd_sm90) being the
+# kernel's: only versions whose source was read and whose kernel was probed.
+VERIFIED_VERSIONS = ("4.0.0b36",)
+_MAX_TILE = 128  # the largest tile of either side on SM90
+_disabled: str | None = None
 
 
 def padded_head_dim(d: int) -> int:
@@ -42,6 +47,14 @@ def padded_head_dim(d: int) -> int:
 @functools.cache
 def _interface():
     """flash_attn.cute.interface, or the reason it cannot be used (imported once: ~6 s)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("flash-attn-4")
+    except PackageNotFoundError:
+        found = "unknown"
+    if found not in VERIFIED_VERSIONS:
+        return f"flash-attn-4 {found} is not a verified version ({', '.join(VERIFIED_VERSIONS)})"
     try:
         from flash_attn.cute import interface
     except Exception as e:  # noqa: BLE001 - any import failure means "not installed/usable"
@@ -62,6 +75,21 @@ def installed() -> bool:
         return False
 
 
+def disable(reason: str) -> None:
+    """Stop using FA4 in this process (its kernel failed once)."""
+    global _disabled
+    _disabled = reason
+
+
+def pads_little(segments: int, total_q: int, total_k: int) -> bool:
+    """Whether padding each segment to a tile at most doubles the rows of either
+    side. Floods of short segments would multiply the backward's memory (and FA4
+    is barely faster on them: 0.96 against 1.10 ms for 250 segments of ~130
+    tokens, before the copies), so they stay on FA2."""
+    extra = segments * (_MAX_TILE - 1)
+    return extra <= total_q and extra <= total_k
+
+
 def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why FA4's backward cannot take this call (FA2's will), or None. Imports
     flash-attn-4 only when everything else fits."""
@@ -69,6 +97,8 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) 
         return "flash-attn-4 is CUDA-only"
     if not installed():
         return "flash-attn-4 is not installed"
+    if _disabled is not None:
+        return _disabled
     if dtype not in DTYPES:
         return f"flash-attn-4 takes float16/bfloat16, got {dtype}"
     if head_dim > _HEAD_DIMS[-1]:

@@ -14,6 +14,7 @@ import gc
 import logging
 import threading
 
+import _fake_flashinfer
 import pytest
 import torch
 
@@ -312,45 +313,12 @@ def test_inference_mode_offsets_work_in_explicit_steps_and_rc_compile():
         _check_per_segment(model, x, out)
 
 
-# -- the whole planning path on CPU, with a stand-in for FlashInfer -------------------------
-#
-# The wrapper pool, slot ownership, implicit steps and plan reuse are host-side
-# logic. Here a fake wrapper records the layout it was planned for and "runs"
-# the reference kernel on *that* layout, so any stale or shared plan shows up
-# as a wrong output, on CPU.
-
-
-class _FakeWrapper:
-    def __init__(self):
-        self.plan = None
-
-    def run(self, q, k, v):
-        cu_q, cu_k, causal, scale = self.plan
-        return rc.reference_attention(q, k, v, cu_q, cu_k, causal, scale)
-
-
-class _FakeEvent:
-    def record(self):
-        pass
-
-    def query(self):
-        return True
-
-    def synchronize(self):
-        pass
+# -- the whole planning path on CPU, with a stand-in for FlashInfer (_fake_flashinfer.py) ---
 
 
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
-    from ragged_compile.backends import flashinfer as fi
-
-    def plan(wrapper, cu_q, cu_k, hq, hkv, d, dtype, causal, scale, **kw):
-        wrapper.plan = (cu_q.clone(), cu_k.clone(), causal, scale)
-
-    monkeypatch.setattr(fi, "make_wrapper", lambda workspace, backend, **kw: _FakeWrapper())
-    monkeypatch.setattr(fi, "plan", plan)
-    monkeypatch.setattr(fi, "run", lambda wrapper, q, k, v: wrapper.run(q, k, v))
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    _fake_flashinfer.install(monkeypatch)
     rt = rc.Runtime("cpu", backend="fa2", workspace_bytes=64)
     monkeypatch.setattr(rt, "unsupported_reason", lambda q: None)
 

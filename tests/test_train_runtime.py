@@ -12,61 +12,18 @@ from __future__ import annotations
 import math
 import threading
 
+import _fake_flashinfer
 import pytest
 import torch
 
 from ragged_compile import runtime as rt_mod
 from ragged_compile import train_ops
-from ragged_compile.backends import flashinfer as fi
 from ragged_compile.reference import reference_attention
-
-
-class _Wrapper:
-    def __init__(self):
-        self.plans = 0
-        self.layout = None
-
-
-class _Event:
-    def record(self):
-        pass
-
-    def query(self):
-        return True
-
-    def synchronize(self):
-        pass
 
 
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
-    """FlashInfer's plan/run replaced: run computes the reference output and
-    FlashInfer's LSE convention ([Tq, Hq], base 2, -inf for keyless rows) from
-    the *planned* layout, so a stale plan would show."""
-    wrappers = []
-
-    def make_wrapper(workspace, backend):
-        w = _Wrapper()
-        wrappers.append(w)
-        return w
-
-    def plan(w, cu_q, cu_k, hq, hkv, d, dtype, causal, scale, **kw):
-        w.plans += 1
-        w.layout = (cu_q.clone(), cu_k.clone(), causal, scale)
-
-    def run_with_lse(w, q, k, v):
-        cu_q, cu_k, causal, scale = w.layout
-        out = reference_attention(q, k, v, cu_q, cu_k, causal, scale)
-        lse = train_ops.reference_lse(q, k, cu_q, cu_k, causal, scale)  # [Hq, Tq], ln, +inf
-        fi_lse = (lse / math.log(2.0)).t().contiguous()
-        return out, fi_lse.masked_fill(torch.isinf(fi_lse), -math.inf)
-
-    monkeypatch.setattr(fi, "make_wrapper", make_wrapper)
-    monkeypatch.setattr(fi, "plan", plan)
-    monkeypatch.setattr(fi, "run_with_lse", run_with_lse)
-    monkeypatch.setattr(fi, "choose_backend", lambda requested, *a, **kw: "fa2")
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    return wrappers
+    return _fake_flashinfer.install(monkeypatch)
 
 
 def _inputs(lq, lk, hq=4, hkv=2, d=16, seed=0):

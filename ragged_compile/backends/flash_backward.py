@@ -24,7 +24,8 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
+
+from . import pad_head_dim
 
 __all__ = ["available", "unsupported_reason", "lse_from_flashinfer", "backward"]
 
@@ -78,14 +79,6 @@ def lse_from_flashinfer(lse: torch.Tensor) -> torch.Tensor:
     return out.masked_fill_(out == -math.inf, math.inf)
 
 
-def _pad8(x: torch.Tensor, dp: int) -> torch.Tensor:
-    if x.shape[-1] != dp:
-        return F.pad(x, (0, dp - x.shape[-1]))
-    if x.stride(-1) != 1:
-        return x.contiguous()
-    return x
-
-
 def backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -113,11 +106,11 @@ def backward(
     d = q.shape[-1]
     dp = -(-d // 8) * 8
     dq, dk, dv = _kernel(
-        _pad8(grad_out.to(q.dtype), dp),
-        _pad8(q, dp),
-        _pad8(k, dp),
-        _pad8(v, dp),
-        _pad8(out, dp),
+        pad_head_dim(grad_out.to(q.dtype), dp),
+        pad_head_dim(q, dp),
+        pad_head_dim(k, dp),
+        pad_head_dim(v, dp),
+        pad_head_dim(out, dp),
         lse.contiguous(),
         cu_q.to(torch.int32).contiguous(),
         cu_k.to(torch.int32).contiguous(),

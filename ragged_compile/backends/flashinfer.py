@@ -28,7 +28,8 @@ import math
 import re
 
 import torch
-import torch.nn.functional as F
+
+from . import pad_head_dim
 
 __all__ = [
     "PADDED_HEAD_DIMS",
@@ -236,19 +237,11 @@ def plan(
     )
 
 
-def _prepare(x: torch.Tensor, dp: int) -> torch.Tensor:
-    if x.shape[-1] != dp:
-        return F.pad(x, (0, dp - x.shape[-1]))
-    if x.stride(-1) != 1:
-        return x.contiguous()
-    return x
-
-
 def run(wrapper, q, k, v) -> torch.Tensor:
     """Device work only: no host sync, no planning."""
     d = q.shape[-1]
     dp = padded_head_dim(d)
-    out = wrapper.run(_prepare(q, dp), _prepare(k, dp), _prepare(v, dp))
+    out = wrapper.run(pad_head_dim(q, dp), pad_head_dim(k, dp), pad_head_dim(v, dp))
     if dp != d:
         out = out[..., :d].contiguous()
     return out
@@ -261,7 +254,7 @@ def run_with_lse(wrapper, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     version has them); backends/flash_backward.py converts for the backward."""
     d = q.shape[-1]
     dp = padded_head_dim(d)
-    out, lse = wrapper.run(_prepare(q, dp), _prepare(k, dp), _prepare(v, dp), return_lse=True)
+    out, lse = wrapper.run(pad_head_dim(q, dp), pad_head_dim(k, dp), pad_head_dim(v, dp), return_lse=True)
     if dp != d:
         out = out[..., :d].contiguous()
     return out, lse

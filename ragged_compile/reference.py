@@ -18,9 +18,14 @@ it is a reference, not a hot path.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["reference_attention", "reference_attention_backward", "dense_attention", "sees_key"]
+__all__ = [
+    "reference_attention", "reference_attention_backward", "reference_lse",
+    "dense_attention", "dense_lse", "dense_gradients", "sees_key",
+]
 
 _BUDGET = 1 << 25  # score elements per chunk (128 MiB of float32)
 
@@ -181,24 +186,9 @@ def reference_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def dense_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    causal: bool,
-    scale: float,
-    dtype: torch.dtype = torch.float64,
-) -> torch.Tensor:
-    """Slow, obviously-correct oracle: one dense softmax per segment, in ``dtype``.
-
-    A Python loop over segments; tests use it to check :func:`reference_attention`
-    and the fast kernels on small layouts. Returns ``dtype``.
-    """
-    Tq, Hq, D = q.shape
-    grp = Hq // k.shape[1]
-    out = torch.zeros(Tq, Hq, D, dtype=dtype)
+def _dense_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dtype):
+    """Yield (q rows slice, scores [Hq, Lq, Lk], v [Lk, Hq, D]) per non-empty segment, in ``dtype`` on the CPU."""
+    grp = q.shape[1] // k.shape[1]
     cuq = cu_seqlens_q.tolist()
     cuk = cu_seqlens_k.tolist()
     for i in range(len(cuq) - 1):
@@ -213,7 +203,57 @@ def dense_attention(
             qi = torch.arange(Lq)[:, None]
             kj = torch.arange(Lk)[None, :]
             s = s.masked_fill(kj > qi + (Lk - Lq), float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        p = torch.nan_to_num(p, nan=0.0)  # rows with every key masked
-        out[cuq[i] : cuq[i + 1]] = torch.einsum("hqk,khd->qhd", p, vs)
+        yield slice(cuq[i], cuq[i + 1]), s, vs
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool,
+    scale: float,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """The oracle: one dense softmax per segment, in ``dtype`` (float64) on the CPU.
+
+    A Python loop over segments, obviously correct and slow: every kernel
+    (:func:`reference_attention`, the CPU kernel, FlashInfer, the backwards) is
+    tested against it on small layouts. Differentiable: for gradients call
+    :func:`dense_gradients`. Rows that see no key are zero. Returns ``dtype``.
+    """
+    out = torch.zeros(q.shape, dtype=dtype)
+    for rows, s, vs in _dense_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dtype):
+        p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)  # rows with every key masked
+        out[rows] = torch.einsum("hqk,khd->qhd", p, vs)
     return out
+
+
+def dense_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, dtype: torch.dtype = torch.float64):
+    """The oracle's log-sum-exp of the scaled scores: ``[Hq, Tq]`` in ``dtype`` on the
+    CPU, natural log, ``+inf`` for rows that see no key (aten's convention)."""
+    lse = torch.full((q.shape[1], q.shape[0]), math.inf, dtype=dtype)
+    for rows, s, _ in _dense_segments(q, k, k, cu_seqlens_q, cu_seqlens_k, causal, scale, dtype):
+        seg = torch.logsumexp(s, dim=-1)
+        lse[:, rows] = seg.masked_fill(seg == -math.inf, math.inf)
+    return lse
+
+
+def dense_gradients(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, dtype=torch.float64):
+    """The oracle's output and gradients ``(out, dq, dk, dv)`` for ``grad_out``, by
+    autograd through :func:`dense_attention` on ``dtype`` copies (CPU tensors)."""
+    leaves = [t.detach().to("cpu", dtype).requires_grad_(True) for t in (q, k, v)]
+    with torch.enable_grad():
+        out = dense_attention(*leaves, cu_seqlens_q, cu_seqlens_k, causal, scale, dtype)
+        dq, dk, dv = torch.autograd.grad(out, leaves, grad_out.detach().to("cpu", dtype), allow_unused=True)
+    grads = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, (dq, dk, dv)))
+    return (out.detach(),) + grads
+
+
+def reference_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float) -> torch.Tensor:
+    """The reference kernel's LSE on q's device, in the layout and dtype the training
+    backward takes (``[Hq, Tq]`` float32): :func:`dense_lse`, accumulated in float32
+    (float64 for float64 inputs)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return dense_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal, scale, acc).to(q.device, torch.float32)

@@ -42,7 +42,6 @@ from .njt import _handler_uuid, enable, install
 
 __all__ = ["compile", "RaggedBackend"]
 
-log = logging.getLogger("ragged_compile")
 
 
 def compile(model: Callable | None = None, **torch_compile_kwargs: Any) -> Any:
@@ -190,7 +189,8 @@ def _call_context(args: tuple, kwargs: dict) -> contextlib.AbstractContextManage
 
 @contextlib.contextmanager
 def _cuda_step(njts: list[NestedTensor]):
-    from .runtime import current_step, get_runtime
+    from .runtime import get_runtime
+    from .steps import current_step
 
     runtime = get_runtime(njts[0].device)
     outer = current_step()

@@ -2,7 +2,8 @@
 as the CUDA backward of the op. It ships in every CUDA wheel of torch (SM80+).
 
 Contract of the aten kernel (torch 2.11 and 2.13, read from
-``torch/nn/attention/varlen.py`` and probed on the H200; see shared/NOTES.md):
+``torch/nn/attention/varlen.py`` and ``aten/src/ATen/native/transformers/cuda/attention_backward.cu``,
+and probed on the H200):
 
 * ``logsumexp`` is fp32 ``[Hq, Tq]``, natural log, softmax scale included;
   rows that see no key must hold ``+inf`` (their probabilities are then 0).
@@ -27,7 +28,7 @@ import torch
 
 from . import pad_head_dim
 
-__all__ = ["available", "unsupported_reason", "lse_from_flashinfer", "backward"]
+__all__ = ["available", "unsupported_reason", "fa2_head_dim", "lse_from_flashinfer", "backward"]
 
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16)
@@ -68,6 +69,11 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     return unsupported_reason(device, dtype, head_dim) is None
 
 
+def fa2_head_dim(d: int) -> int:
+    """The head dim the kernel computes ``d`` at: the next multiple of 8."""
+    return -(-d // 8) * 8
+
+
 def lse_from_flashinfer(lse: torch.Tensor) -> torch.Tensor:
     """FlashInfer's ``[Tq, Hq]`` base-2 LSE -> aten's ``[Hq, Tq]`` natural-log LSE.
 
@@ -104,7 +110,7 @@ def backward(
         # rejects n == 0 and fails on max_k == 0).
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     d = q.shape[-1]
-    dp = -(-d // 8) * 8
+    dp = fa2_head_dim(d)
     dq, dk, dv = _kernel(
         pad_head_dim(grad_out.to(q.dtype), dp),
         pad_head_dim(q, dp),

@@ -34,19 +34,13 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-if ROOT not in sys.path:
-    sys.path.insert(1, ROOT)
+import torch
 
-import torch  # noqa: E402
-
-from e2e import run_e2e  # noqa: E402
-from harness import (  # noqa: E402
+from e2e import run_e2e
+from harness import (
     CPU_EXPECTED_FAILURES,
     E2E_REL_TOL,
+    HERE,
     T_START,
     TOL,
     Budget,
@@ -63,10 +57,10 @@ from harness import (  # noqa: E402
     stats_delta,
     tb_tail,
 )
-from layouts import LAYOUT_SPECS, Case  # noqa: E402
-from report import fmt_rec, render_chart, render_markdown, section_meta, summarize_layout  # noqa: E402
-from timing import sync, time_fn  # noqa: E402
-from variants import IMPLS, Shared, paired_vs_flashinfer  # noqa: E402
+from layouts import LAYOUT_SPECS, Case
+from report import fmt_rec, render_chart, render_markdown, section_meta, summarize_layout
+from timing import sync, time_fn
+from variants import IMPLS, Shared, paired_vs_flashinfer
 
 
 def measure(name, builder, c: Case, sh: Shared, args, budget: Budget) -> dict:
@@ -258,7 +252,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             log(f"writing results failed: {err_str(e)}")
 
-    def on_term(signum, frame):  # the device tool's timeout: still write what we have
+    def on_term(signum, frame):  # a timeout's SIGTERM: still write what we have
         raise KeyboardInterrupt(f"signal {signum}")
 
     with contextlib.suppress(Exception):

@@ -1,4 +1,4 @@
-"""transformers models on our op vs "sdpa", side by side in one process (issue 12).
+"""transformers models on our op vs "sdpa", side by side in one process.
 
 Cases (random weights from configs, bf16 on CUDA):
 
@@ -14,7 +14,7 @@ Cases (random weights from configs, bf16 on CUDA):
 Each case checks ours against "sdpa" on the valid tokens (relative error) and
 records the runtime's plans and offset reads per forward (CUDA).
 
-    python bench/bench_hf.py --out bench/results/hf.json           # H200
+    python bench/bench_hf.py --out bench/results/hf.json
     python bench/bench_hf.py --smoke --out /tmp/hf.json             # tiny, any device
 """
 
@@ -23,36 +23,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from bench.env import environment  # noqa: E402
-from ragged_compile import hf  # noqa: E402
-
-
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+from env import environment
+from ragged_compile import hf
+from timing import call_ms, median, sync
 
 
-def timed(fn, dev, warmup=2, iters=5):
-    """Median wall ms per call (synchronised), after warmup calls."""
-    for _ in range(warmup):
-        fn()
-    sync(dev)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync(dev)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), times
+def timed(fn, dev, iters):
+    """Median wall ms per call (synchronised) after two warm-up calls, and every time."""
+    times = call_ms(fn, dev, iters, warmup=2)
+    return median(times), times
 
 
 def rel_err(out, ref):
@@ -81,9 +65,9 @@ def per_forward(dev, fn):
 
 def side_by_side(model, run_sdpa, run_ours, dev, iters):
     model.set_attn_implementation("sdpa")
-    ms_sdpa, t_sdpa = timed(run_sdpa, dev, iters=iters)
+    ms_sdpa, t_sdpa = timed(run_sdpa, dev, iters)
     model.set_attn_implementation(NAME)
-    ms_ours, t_ours = timed(run_ours, dev, iters=iters)
+    ms_ours, t_ours = timed(run_ours, dev, iters)
     counters = per_forward(dev, run_ours)
     return {"sdpa_ms": ms_sdpa, "ours_ms": ms_ours, "speedup": ms_sdpa / ms_ours,
             "sdpa_times_ms": t_sdpa, "ours_times_ms": t_ours, "ours_runtime_per_forward": counters}

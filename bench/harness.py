@@ -17,8 +17,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-# ragged_compile is imported defensively: if it fails to import on the GPU
-# machine's torch, the baselines are still measured and every row of ours says why.
+# ragged_compile is imported defensively: if it fails to import (another torch, a
+# broken build), the baselines are still measured and every row of ours says why.
 try:
     import ragged_compile as rc
 
@@ -38,19 +38,14 @@ except Exception:  # noqa: BLE001 - the oracle only needs torch: load the file i
     _spec.loader.exec_module(_ref)
     dense_attention, reference_attention = _ref.dense_attention, _ref.reference_attention
 
-try:
-    from env import environment  # bench/env.py
-except Exception as _e:  # noqa: BLE001
-
-    def environment(_err=repr(_e)) -> dict:
-        return {"torch": torch.__version__, "env_py": f"unavailable: {_err}"}
+from env import environment  # noqa: E402, F401 - re-exported
 
 
 DTYPE = torch.bfloat16
 TOL = 2e-2  # max abs diff vs the float32 reference that still counts as correct (bf16)
 E2E_REL_TOL = 5e-2  # e2e: max abs diff / max abs value vs ours_packed_eager
 T_START = time.perf_counter()
-# Known not to run on CPU (NOTES): tried anyway in --smoke to exercise the plumbing.
+# Known not to run on CPU: tried anyway in --smoke to exercise the plumbing.
 CPU_EXPECTED_FAILURES = {
     "varlen_attn": "CUDA only: varlen_attn has no CPU kernel",
     "njt_sdpa_compiled": "NJT SDPA cannot be compiled on CPU (MATH path, no fake kernel)",

@@ -37,21 +37,20 @@ import time
 import torch
 
 from e2e import run_e2e
+from env import environment
 from harness import (
-    CPU_EXPECTED_FAILURES,
     E2E_REL_TOL,
     HERE,
     T_START,
     TOL,
     Budget,
-    Skip,
     auto_backend,
     dense_attention,
-    environment,
     err_str,
     log,
     max_diff,
     raise_recompile_limits,
+    recorded,
     reference_attention,
     sanitize,
     stats_delta,
@@ -66,7 +65,7 @@ from variants import IMPLS, Shared, paired_vs_flashinfer
 def measure(name, builder, c: Case, sh: Shared, args, budget: Budget) -> dict:
     rec: dict = {"impl": name}
     t0 = time.perf_counter()
-    try:
+    with recorded(rec, name, c.dev):
         budget.check()
         with contextlib.ExitStack() as stack:
             prep = builder(c, sh, stack)
@@ -100,23 +99,6 @@ def measure(name, builder, c: Case, sh: Shared, args, budget: Budget) -> dict:
                 rec["runtime_stats_during_timing"] = stats_delta(prep.stats(), before)
             rec["tflops"] = c.flops / (rec["ms"] * 1e-3) / 1e12 if rec["ms"] else None
             rec["status"] = "ok"
-    except Skip as s:
-        rec["status"] = s.status
-        rec["reason"] = str(s)
-    except Exception as e:  # noqa: BLE001
-        if c.dev.type != "cuda" and name in CPU_EXPECTED_FAILURES:
-            rec["status"] = "skipped"
-            rec["reason"] = f"{CPU_EXPECTED_FAILURES[name]} (tried on CPU: {err_str(e, 200)})"
-        else:
-            rec["status"] = "error"
-            rec["error"] = err_str(e)
-            rec["traceback"] = tb_tail()
-    finally:
-        rec["wall_s"] = time.perf_counter() - t0
-        try:
-            sync(c.dev)
-        except Exception as e:  # noqa: BLE001 - a poisoned CUDA context: say so
-            rec["cuda_error_after"] = err_str(e)
     return rec
 
 

@@ -9,7 +9,6 @@ import time
 import torch
 
 from harness import (
-    CPU_EXPECTED_FAILURES,
     DTYPE,
     E2E_REL_TOL,
     Budget,
@@ -22,8 +21,8 @@ from harness import (
     max_diff,
     need_rc,
     rc,
+    recorded,
     stats_delta,
-    tb_tail,
 )
 from layouts import cu_seqlens, lengths_for
 from model import Encoder, values
@@ -73,12 +72,8 @@ def run_e2e(args, dev, results, writer, budget: Budget) -> None:
         cu = cu_host.to(dev)
         g = torch.Generator(device=dev).manual_seed(7)
         x = torch.randn(T, d, device=dev, generator=g, dtype=torch.float32).to(DTYPE)
-        njt_kw = {}
-        if has_kwarg(torch.nested.nested_tensor_from_jagged, "min_seqlen"):
-            njt_kw = {"min_seqlen": Lmin, "max_seqlen": Lmax}
-
         def make_njt():  # fresh per variant: ragged_compile.compile marks its inputs dynamic
-            return torch.nested.nested_tensor_from_jagged(x, cu.long(), **njt_kw)
+            return torch.nested.nested_tensor_from_jagged(x, cu.long(), min_seqlen=Lmin, max_seqlen=Lmax)
 
         make_njt()
     except Exception as e:  # noqa: BLE001
@@ -168,7 +163,7 @@ def run_e2e(args, dev, results, writer, budget: Budget) -> None:
         rec: dict = {"variant": name}
         variants[name] = rec
         t0 = time.perf_counter()
-        try:
+        with recorded(rec, name, dev):
             budget.check(30)
             # Dynamo keys compiled code by code object (Encoder.forward is shared by
             # every variant) and does not guard on ragged_compile.enable: start clean.
@@ -219,23 +214,6 @@ def run_e2e(args, dev, results, writer, budget: Budget) -> None:
                 else:
                     rec["profile_skipped"] = "no CUDA: GPU kernel time not measured"
                 rec["status"] = "ok"
-        except Skip as s:
-            rec["status"] = s.status
-            rec["reason"] = str(s)
-        except Exception as e:  # noqa: BLE001
-            if dev.type != "cuda" and name in CPU_EXPECTED_FAILURES:
-                rec["status"] = "skipped"
-                rec["reason"] = f"{CPU_EXPECTED_FAILURES[name]} (tried on CPU: {err_str(e, 200)})"
-            else:
-                rec["status"] = "error"
-                rec["error"] = err_str(e)
-                rec["traceback"] = tb_tail()
-        finally:
-            rec["wall_s"] = time.perf_counter() - t0
-            try:
-                sync(dev)
-            except Exception as e:  # noqa: BLE001
-                rec["cuda_error_after"] = err_str(e)
         if rec["status"] == "ok":
             extra = ""
             if "plans_per_forward" in rec:

@@ -7,7 +7,8 @@ import datetime
 import math
 import sys
 
-from harness import environment, err_str
+from env import environment
+from harness import err_str
 from variants import IMPL_NAMES
 
 

@@ -115,7 +115,9 @@ def impl_ours(c: Case, sh: Shared, stack, backend="auto", compiled=False) -> Pre
     sync(c.dev)
     extra["backend_used"] = getattr(rt, "last_backend", None)
     if extra["backend_used"] is None and c.dev.type == "cuda":
-        extra["backend_used"] = backend if backend != "auto" else auto_backend(c.dev, c.n, c.total)
+        extra["backend_used"] = backend if backend != "auto" else auto_backend(
+            c.dev, c.n, c.total, hq=c.hq, hkv=c.hkv, head_dim=c.d, causal=c.causal
+        )
     extra["runtime_backend"] = backend
     return Prepared(f, extra=extra, stats=lambda: Counter(rt.stats))
 
@@ -250,10 +252,7 @@ def impl_varlen(c: Case, sh: Shared, stack) -> Prepared:
 
 
 def _njt(c: Case, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    kw = {}
-    if has_kwarg(torch.nested.nested_tensor_from_jagged, "min_seqlen"):
-        kw = {"min_seqlen": c.min_len, "max_seqlen": c.max_len}
-    return torch.nested.nested_tensor_from_jagged(x, offsets, **kw)
+    return torch.nested.nested_tensor_from_jagged(x, offsets, min_seqlen=c.min_len, max_seqlen=c.max_len)
 
 
 def impl_njt(c: Case, sh: Shared, stack, compiled=False) -> Prepared:

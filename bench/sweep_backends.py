@@ -49,6 +49,9 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true")
     p.add_argument("--budget-s", type=float, default=330.0)
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA; nothing to measure here")
+        return 0
     t_start = time.perf_counter()
     dev = torch.device("cuda")
     dtype = torch.bfloat16

@@ -55,10 +55,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ATTN_LAYOUTS = ("mixed16", "mixed16_causal", "long4x8192", "gqa32_8")
 
 
-def device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
 @contextlib.contextmanager
 def backward(kernel: str | None):
     """Force the op's CUDA backward (read per call from RAGGED_COMPILE_BACKWARD)."""
@@ -307,7 +303,7 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.reps, args.e2e_reps = min(args.reps, 3), min(args.e2e_reps, 2)
-    dev = device()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     results = {"env": environment()}
     if args.only in (None, "attn"):

@@ -16,7 +16,6 @@ from harness import (
     all_runtime_stats,
     auto_backend,
     err_str,
-    has_kwarg,
     log,
     max_diff,
     need_rc,
@@ -28,7 +27,7 @@ from layouts import cu_seqlens, lengths_for
 from model import Encoder, values
 from report import _one_line, section_meta
 from timing import call_ms, kernel_times, median, sync
-from variants import varlen_kwargs
+from variants import flashinfer_wrapper, varlen_kwargs
 
 
 def profile_kernels(fwd, n: int) -> dict:
@@ -100,18 +99,11 @@ def run_e2e(args, dev, results, writer, budget: Budget) -> None:
     def v_flashinfer_by_hand():
         if dev.type != "cuda":
             raise Skip("CUDA only")
-        import flashinfer
-
         # The kernel ours ran in ours_packed_eager (first in the plan), else auto's rule.
         backend = getattr(rt, "last_backend", None)
         if backend not in ("fa2", "fa3"):
             backend = auto_backend(dev, n, T, hq=heads, hkv=heads, head_dim=d // heads, causal=False)
-        wr = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-            torch.empty(256 << 20, dtype=torch.uint8, device=dev), kv_layout="NHD", backend=backend
-        )
-        kw = dict(causal=False, sm_scale=scale, q_data_type=DTYPE, kv_data_type=DTYPE)
-        if has_kwarg(wr.plan, "o_data_type"):
-            kw["o_data_type"] = DTYPE
+        wr, kw = flashinfer_wrapper(torch.empty(256 << 20, dtype=torch.uint8, device=dev), backend, False, scale)
         m = w.with_attention(lambda q, k, v, cu: wr.run(q, k, v))
         base["flashinfer_backend"] = backend
 

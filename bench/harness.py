@@ -14,6 +14,8 @@ from collections import Counter
 
 import torch
 
+from timing import sync
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -37,8 +39,6 @@ except Exception:  # noqa: BLE001 - the oracle only needs torch: load the file i
     _ref = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_ref)
     dense_attention, reference_attention = _ref.dense_attention, _ref.reference_attention
-
-from timing import sync  # noqa: E402
 
 
 DTYPE = torch.bfloat16

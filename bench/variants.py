@@ -122,21 +122,27 @@ def impl_ours(c: Case, sh: Shared, stack, backend="auto", compiled=False) -> Pre
     return Prepared(f, extra=extra, stats=lambda: Counter(rt.stats))
 
 
+def flashinfer_wrapper(workspace, backend: str, causal: bool, scale: float):
+    """FlashInfer's ragged prefill wrapper, run directly, and its plan's keyword arguments."""
+    import flashinfer
+
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout="NHD", backend=backend)
+    kw = dict(causal=causal, sm_scale=scale, q_data_type=DTYPE, kv_data_type=DTYPE)
+    if has_kwarg(w.plan, "o_data_type"):
+        kw["o_data_type"] = DTYPE
+    return w, kw
+
+
 def _fi_direct(c: Case, sh: Shared, backend: str):
     """A FlashInfer ragged wrapper for this case: (run callable, plan callable, note)."""
     if c.dev.type != "cuda":
         raise Skip("CUDA only")
     if backend == "fa3" and torch.cuda.get_device_capability(c.dev) != (9, 0):
         raise Unsupported("fa3 needs SM90")
-    import flashinfer
-
     dp = next((x for x in (64, 128, 256) if x >= c.d), None)
     if dp is None:
         raise Unsupported(f"head_dim {c.d} > 256")
-    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(sh.workspace(backend), kv_layout="NHD", backend=backend)
-    kw = dict(causal=c.causal, sm_scale=c.scale, q_data_type=DTYPE, kv_data_type=DTYPE)
-    if has_kwarg(w.plan, "o_data_type"):
-        kw["o_data_type"] = DTYPE
+    w, kw = flashinfer_wrapper(sh.workspace(backend), backend, c.causal, c.scale)
 
     def plan():
         w.plan(c.cu_host, c.cu_host, c.hq, c.hkv, dp, **kw)

@@ -18,7 +18,8 @@ what each column means.
 This file is the driver (command line, the per-op loop, writing results); the
 parts live next to it: layouts.py (the layout classes), variants.py (the
 implementations compared), timing.py (how everything is timed), report.py
-(tables and chart), e2e.py (the end-to-end encoder), harness.py (errors,
+(tables and chart), e2e.py (the end-to-end variants), model.py (the encoder),
+harness.py (errors,
 budget, logging).
 """
 

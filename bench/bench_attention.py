@@ -19,8 +19,7 @@ This file is the driver (command line, the per-op loop, writing results); the
 parts live next to it: layouts.py (the layout classes), variants.py (the
 implementations compared), timing.py (how everything is timed), report.py
 (tables and chart), e2e.py (the end-to-end variants), model.py (the encoder),
-harness.py (errors,
-budget, logging).
+harness.py (errors, budget, logging).
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ class SyncCount:
         if self.dev.type == "cuda":
             torch.cuda.set_sync_debug_mode(0)
             self._w.__exit__(*exc)
-            self.n = sum("synchroniz" in str(w.message) for w in self._log)
+            self.n = sum("called a synchronizing" in str(w.message) for w in self._log)
         return False
 
 
@@ -142,6 +142,35 @@ def op_rows(dev, dtype, lens, heads, d, reps) -> dict:
                 lambda: torch.autograd.backward(varlen(qg, kg, vg, cu, cu, m, m), go), dev, reps // 2
             )
     return rows
+
+
+def profile_rows(dev, dtype, lens, heads, d, steps=20) -> dict:
+    """torch.profiler tables (self CPU time per op) of the inference call and of the
+    forward+backward call: where the host time of one call goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, cu = _packed(lens, heads, heads, d, dtype, dev)
+    qg, kg, vg, _ = _packed(lens, heads, heads, d, dtype, dev, grad=True)
+    go = torch.randn_like(qg)
+    rt = rc.Runtime(dev)
+    tables = {}
+    for name, fn in {
+        "inference": lambda: rc.ragged_attention(q, k, v, cu),
+        "fwd_bwd": lambda: torch.autograd.backward(rc.ragged_attention(qg, kg, vg, cu), go),
+    }.items():
+        with rt.step(lens):
+            grad = torch.enable_grad() if name == "fwd_bwd" else torch.no_grad()
+            with grad:
+                for _ in range(5):
+                    fn()
+                _sync(dev)
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(steps):
+                        fn()
+                    _sync(dev)
+        tables[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        print(f"== profile {name} ({steps} calls)\n{tables[name]}", flush=True)
+    return tables
 
 
 def njt_rows(dev, dtype, lens, heads, d, reps) -> dict:
@@ -299,6 +328,8 @@ def main() -> None:
     if "op" in only:
         res["op"] = op_rows(dev, dtype, small, 4 if a.smoke else 12, 64, reps)
         print(json.dumps(res["op"]), flush=True)
+    if "profile" in only and dev.type == "cuda":
+        res["profile"] = profile_rows(dev, dtype, small, 12, 64)
     if "njt" in only:
         res["njt"] = njt_rows(dev, dtype, small, 4 if a.smoke else 12, 64, reps)
         print(json.dumps(res["njt"]), flush=True)

@@ -185,10 +185,10 @@ def stats_delta(after: Counter, before: Counter) -> dict:
 
 def auto_backend(dev: torch.device, n: int, total_k: int, **heads) -> str:
     """What ragged_compile's backend="auto" picks for a layout (its own rule if importable);
-    ``heads``: hq, hkv, head_dim, causal, as choose_backend takes them."""
-    from ragged_compile.backends.flashinfer import choose_backend
+    ``heads``: hq, hkv, head_dim, causal, as select.flashinfer_backend takes them."""
+    from ragged_compile.backends.select import flashinfer_backend
 
-    return choose_backend("auto", dev, n, total_k, **heads)
+    return flashinfer_backend("auto", dev, n, total_k, **heads)
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

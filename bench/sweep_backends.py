@@ -7,7 +7,7 @@ head dim) both kernels run through our own backend module (head-dim padding and
 the causal split included, exactly what the op runs), interleaved in blocks so
 clock drift hits both alike. Records the median kernel time per call, the host
 time of one plan, and the layout's features, to DIR/sweep_backends.json.
-``choose_backend`` in ragged_compile/backends/flashinfer.py is fitted on it.
+``flashinfer_backend`` in ragged_compile/backends/select.py is fitted on it.
 """
 
 from __future__ import annotations

@@ -126,5 +126,5 @@ def test_cuda_padded_forward_syncs_once(kind, left):
                 model(input_ids=ids, attention_mask=mask, **kw)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
     assert len(syncs) <= 1, syncs

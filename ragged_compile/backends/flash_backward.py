@@ -74,15 +74,19 @@ def fa2_head_dim(d: int) -> int:
     return -(-d // 8) * 8
 
 
-def lse_from_flashinfer(lse: torch.Tensor) -> torch.Tensor:
-    """FlashInfer's ``[Tq, Hq]`` base-2 LSE -> aten's ``[Hq, Tq]`` natural-log LSE.
+def lse_from_flashinfer(lse: torch.Tensor, *, natural_hn: bool = False) -> torch.Tensor:
+    """FlashInfer's LSE -> aten's ``[Hq, Tq]`` natural-log LSE. ``natural_hn``: it
+    is already ``[Hq, Tq]`` in natural log (FlashInfer's ``lse_layout="HN",
+    lse_base="ln"``); else ``[Tq, Hq]`` base 2.
 
     Keyless rows: FlashInfer's ``-inf`` becomes ``+inf``, which makes their
     probabilities ``exp(s - lse) = 0`` in the backward (``-inf`` would make
-    ``exp(-inf + inf)`` NaN for the masked scores of a causal blind row).
+    ``exp(-inf + inf)`` NaN for the masked scores of a causal blind row). NaN
+    (from a NaN in that segment) stays NaN.
     """
-    out = (lse.float() * _LN2).t().contiguous()
-    return out.masked_fill_(out == -math.inf, math.inf)
+    if not natural_hn:
+        lse = (lse.float() * _LN2).t().contiguous()
+    return lse.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=math.inf)
 
 
 def backward(
@@ -124,13 +128,19 @@ def backward(
         max_k,
         0.0,
         causal,
-        torch.zeros(2, dtype=torch.uint64, device=q.device),  # no dropout: rng state unused
-        torch.empty(0, device=q.device),
+        *_unused_state(q.device),
         scale=scale,
     )
     if dp != d:
         dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., :d]
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@functools.cache
+def _unused_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # No dropout: the kernel reads neither its rng state nor the "unused" tensor,
+    # so one pair per device serves every call (and allocates nothing per call).
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
 
 
 def _kernel(*args, **kwargs):

@@ -154,11 +154,18 @@ def plan(
     )
 
 
+@functools.cache
+def _pdl(device_index: int) -> bool:
+    # What FlashInfer's run() works out per call when not told (programmatic
+    # dependent launch from SM90 on), once per device.
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def run(wrapper, q, k, v) -> torch.Tensor:
     """Device work only: no host sync, no planning."""
     d = q.shape[-1]
     dp = flashinfer_head_dim(d)
-    out = wrapper.run(pad_head_dim(q, dp), pad_head_dim(k, dp), pad_head_dim(v, dp))
+    out = wrapper.run(pad_head_dim(q, dp), pad_head_dim(k, dp), pad_head_dim(v, dp), enable_pdl=_pdl(q.device.index))
     if dp != d:
         out = out[..., :d].contiguous()
     return out
@@ -171,7 +178,9 @@ def run_with_lse(wrapper, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     version has them); backends/flash_backward.py converts for the backward."""
     d = q.shape[-1]
     dp = flashinfer_head_dim(d)
-    out, lse = wrapper.run(pad_head_dim(q, dp), pad_head_dim(k, dp), pad_head_dim(v, dp), return_lse=True)
+    out, lse = wrapper.run(
+        pad_head_dim(q, dp), pad_head_dim(k, dp), pad_head_dim(v, dp), return_lse=True, enable_pdl=_pdl(q.device.index)
+    )
     if dp != d:
         out = out[..., :d].contiguous()
     return out, lse

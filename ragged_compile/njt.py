@@ -413,7 +413,7 @@ def _check_same_segments(cu_a: Tensor, cu_b: Tensor, message: str) -> None:
 
 
 @_check_same_segments.register_fake
-def _(cu_a, cu_b, message):
+def _check_same_segments_fake(cu_a, cu_b, message):
     return None
 
 

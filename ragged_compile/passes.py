@@ -227,7 +227,7 @@ def _zero_state(shape: list[int], dtype: torch.dtype, device: torch.device) -> t
 
 
 @_zero_state.register_fake
-def _(shape, dtype, device):
+def _zero_state_fake(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
@@ -235,24 +235,24 @@ _ZERO_STATE = torch.ops.ragged_compile.zero_state.default
 
 
 class _AttentionPass(CustomGraphPass):
-    """One node kind -> our op. Subclasses give ``target()`` and ``plan()``."""
+    """One node kind -> our op. Subclasses give ``target()`` and ``match()``."""
 
     name = "attention"
 
     def target(self):
         raise NotImplementedError
 
-    def plan(self, node: torch.fx.Node, a: dict[str, Any]) -> tuple | str:
+    def match(self, node: torch.fx.Node, a: dict[str, Any]) -> tuple | str:
         """``(q, k, v, cu_q, cu_k, causal, scale)`` with 3-D q/k/v, or a skip reason."""
         raise NotImplementedError
 
-    def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node, plan: tuple) -> torch.fx.Node:
+    def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node, args: tuple) -> torch.fx.Node:
         if not _lse_used(node):
-            return _insert(graph, node, _RAGGED, plan)
+            return _insert(graph, node, _RAGGED, args)
         # A training graph: the stock backward reads the forward's LSE (and rng
         # state). Our training forward gives the same out and LSE; the backward
         # stays the stock FlashAttention-2 one.
-        res = _insert(graph, node, _RAGGED_LSE, plan)
+        res = _insert(graph, node, _RAGGED_LSE, args)
         out = _insert(graph, node, operator.getitem, (res, 0))
         lse = _insert(graph, node, operator.getitem, (res, 1))
         for user in list(node.users):
@@ -274,13 +274,13 @@ class _AttentionPass(CustomGraphPass):
         if target is None:
             return
         for node in list(graph.find_nodes(op="call_function", target=target)):
-            plan = self.plan(node, _bind(node))
-            if isinstance(plan, str):
-                log.info("ragged_compile: kept %s (%s): %s", node.name, self.name, plan)
+            args = self.match(node, _bind(node))
+            if isinstance(args, str):
+                log.info("ragged_compile: kept %s (%s): %s", node.name, self.name, args)
                 continue
-            q, k, v, cu_q, cu_k, causal, scale = plan
+            q, k, v, cu_q, cu_k, causal, scale = args
             hq, hkv = _val(q).shape[-2], _val(k).shape[-2]
-            _replace_output(graph, node, self.rewrite(graph, node, plan))
+            _replace_output(graph, node, self.rewrite(graph, node, args))
             log.info(
                 "ragged_compile: replaced %s (%s) with ragged_compile.ragged_attention "
                 "(causal=%s, heads %s/%s, cu_q=%s, cu_k=%s)",
@@ -300,7 +300,7 @@ class FlashVarlenPass(_AttentionPass):
     def target(self):
         return aten._flash_attention_forward.default
 
-    def plan(self, node, a):
+    def match(self, node, a):
         if a["cum_seq_q"] is None or a["cum_seq_k"] is None:
             return "dense (no cu_seqlens)"
         if a["dropout_p"] != 0.0:
@@ -337,7 +337,7 @@ class EfficientVarlenPass(_AttentionPass):
     def target(self):
         return aten._efficient_attention_forward.default
 
-    def plan(self, node, a):
+    def match(self, node, a):
         if a["cu_seqlens_q"] is None or a["cu_seqlens_k"] is None:
             return "dense (no cu_seqlens)"
         if a["bias"] is not None:
@@ -360,8 +360,8 @@ class EfficientVarlenPass(_AttentionPass):
         cu_q, cu_k = _peel_cast(a["cu_seqlens_q"]), _peel_cast(a["cu_seqlens_k"])
         return (a["query"], a["key"], a["value"], cu_q, cu_k, mask == 2, scale)
 
-    def rewrite(self, graph, node, plan):
-        q, k, v, cu_q, cu_k, causal, scale = plan
+    def rewrite(self, graph, node, args):
+        q, k, v, cu_q, cu_k, causal, scale = args
         q, k, v = (_squeeze0(graph, node, t) for t in (q, k, v))
         out = _insert(graph, node, _RAGGED, (q, k, v, cu_q, cu_k, causal, scale))
         return _insert(graph, node, aten.unsqueeze.default, (out, 0))
@@ -384,7 +384,7 @@ class VarlenAttnPass(_AttentionPass):
         packet = getattr(ns, "_varlen_attn", None) if ns is not None else None
         return getattr(packet, "default", None)
 
-    def plan(self, node, a):
+    def match(self, node, a):
         if a.get("cu_seq_q") is None or a.get("cu_seq_k") is None:
             return "cu_seq_q or cu_seq_k is None"
         # Paged / partial / cached KV, under the names different torch versions use.

@@ -272,6 +272,10 @@ def _ragged_sdpa(
         )
     if not ours:
         return stock()
+    if torch.is_autocast_enabled(query.device.type):
+        # As stock SDPA under autocast: q, k and v in autocast's dtype.
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
     reason = _stock_reason(query, key, value, attn_mask, is_causal, enable_gqa)
     if reason is None and dropout_p > 0.0:
         if query.device.type == "cpu":

@@ -103,6 +103,7 @@ def ragged_attention(
         cu_seqlens_k = cu_seqlens_q
         if max_seqlen_k is None:
             max_seqlen_k = max_seqlen_q
+    q, k, v = _autocast(q, k, v)
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
     if type(causal).__module__ == "numpy" and type(causal).__name__ == "bool":
         causal = bool(causal)
@@ -147,6 +148,8 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, *
     time than the kernel launch on small batches. ``checked``: the caller ran
     ``check_inputs``.
     """
+    if not checked:
+        q, k, v = _autocast(q, k, v)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     direct = q.is_cuda and _undispatched(q, k, v)
     if direct and not checked:
@@ -163,6 +166,15 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, *
 
 
 _Tensor = torch.Tensor
+
+
+def _autocast(q, k, v):
+    """Under ``torch.autocast`` for q's device, q, k and v in its dtype, as SDPA (a
+    lower-precision op of autocast's) takes them; otherwise unchanged."""
+    if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
+    return q, k, v
 
 
 def _undispatched(q, k, v) -> bool:
@@ -384,6 +396,37 @@ def _lse_backward(ctx, grad_out, _grad_lse, _grad_max_lens):
 
 
 _ragged_attention_lse.register_autograd(_lse_backward, setup_context=_lse_setup_context)
+
+
+# -- autocast -------------------------------------------------------------------------
+# As SDPA: under torch.autocast the ops take q, k and v in autocast's dtype (a fixed
+# dtype, as torch.library.register_autocast takes, would be wrong for the other one).
+# The public function casts before its checks; these kernels serve calls of the ops
+# themselves, eager or traced.
+
+_autocast_lib = torch.library.Library("ragged_compile", "IMPL")
+
+
+def _register_autocast(name: str, floating: tuple[int, ...]) -> None:
+    op = getattr(torch.ops.ragged_compile, name).default
+    for device_type in ("cpu", "cuda"):
+        key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+        keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+        def kernel(_keyset, *args, _device_type=device_type, _excluded=keyset):
+            dtype = torch.get_autocast_dtype(_device_type)
+            args = tuple(
+                a.to(dtype) if i in floating and a.is_floating_point() and a.device.type == _device_type else a
+                for i, a in enumerate(args)
+            )
+            with torch._C._ExcludeDispatchKeyGuard(_excluded):
+                return op(*args)
+
+        _autocast_lib.impl(name, kernel, key, with_keyset=True)
+
+
+_register_autocast("ragged_attention", (0, 1, 2))
+_register_autocast("ragged_attention_lse", (0, 1, 2))
 
 
 # -- torch.func -----------------------------------------------------------------------

@@ -1,0 +1,90 @@
+"""The ops under torch.autocast, as SDPA: q, k and v are cast to autocast's dtype.
+
+Mixed inputs are what RoPE with fp32 buffers gives (a bf16 q with fp32 k/v), and
+fp32 activations under autocast are what a model without casts of its own gives.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ragged_compile as rc
+from ragged_compile.reference import dense_attention
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _inputs(device, dtypes=(torch.bfloat16, torch.float32, torch.float32)):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(13, 4, 32, generator=g).to(device, dtypes[0])
+    k = torch.randn(13, 2, 32, generator=g).to(device, dtypes[1])
+    v = torch.randn(13, 2, 32, generator=g).to(device, dtypes[2])
+    cu = torch.tensor([0, 4, 4, 13], dtype=torch.int32, device=device)
+    return q, k, v, cu
+
+
+def _params(devices):
+    return [pytest.param(d, marks=[pytest.mark.cuda] if d == "cuda" else []) for d in devices]
+
+
+@pytest.mark.parametrize("device", _params(DEVICES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mixed", [True, False])
+def test_public_op_takes_autocast_dtype(device, dtype, mixed):
+    q, k, v, cu = _inputs(device, (torch.bfloat16, torch.float32, torch.float32) if mixed else (torch.float32,) * 3)
+    want = dense_attention(q.to(dtype), k.to(dtype), v.to(dtype), cu, cu, True, 32**-0.5)
+    with torch.autocast(device, dtype):
+        out = rc.ragged_attention(q, k, v, cu, causal=True)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double().cpu(), want, atol=2e-2, rtol=2e-2)
+    # outside autocast mixed dtypes stay an error that says what to do
+    if mixed:
+        with pytest.raises(TypeError, match="share one dtype"):
+            rc.ragged_attention(q, k, v, cu)
+
+
+@pytest.mark.parametrize("device", _params(DEVICES))
+def test_ops_themselves_and_compiled_code_cast(device):
+    q, k, v, cu = _inputs(device)
+    with torch.autocast(device, torch.bfloat16):
+        out = torch.ops.ragged_compile.ragged_attention(q, k, v, cu, cu, False, 0.2)
+        compiled = torch.compile(lambda q, k, v: rc.ragged_attention(q, k, v, cu, scale=0.2), fullgraph=True)
+        out_c = compiled(q, k, v)
+    assert out.dtype == out_c.dtype == torch.bfloat16
+    want = dense_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu, cu, False, 0.2)
+    for o in (out, out_c):
+        torch.testing.assert_close(o.double().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("device", _params(DEVICES))
+def test_training_under_autocast_gives_fp32_gradients(device):
+    q, k, v, cu = _inputs(device, (torch.float32,) * 3)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    with torch.autocast(device, torch.bfloat16):
+        out = rc.ragged_attention(q, k, v, cu, causal=True)
+    out.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in (q, k, v))
+
+
+@pytest.mark.parametrize("device", _params(DEVICES))
+def test_njt_sdpa_under_autocast_runs_our_op(device, monkeypatch):
+    from ragged_compile import ops
+
+    calls = []
+    real = ops.attention
+    monkeypatch.setattr("ragged_compile.njt.attention", lambda *a, **kw: calls.append(a[0].dtype) or real(*a, **kw))
+    g = torch.Generator().manual_seed(1)
+    x = torch.nested.nested_tensor(
+        [torch.randn(n, 4 * 32, generator=g).to(device) for n in (3, 9, 1)], layout=torch.jagged
+    )
+    h = x.unflatten(-1, (4, 32)).transpose(1, 2)
+    with rc.enable(), torch.autocast(device, torch.bfloat16):
+        out = F.scaled_dot_product_attention(h, h.float(), h)
+    assert calls == [torch.bfloat16] and out.dtype == torch.bfloat16
+    for i, seg in enumerate(x.unbind()):
+        hs = seg.view(-1, 4, 32).bfloat16()
+        cu = torch.tensor([0, hs.shape[0]], dtype=torch.int32)
+        want = dense_attention(hs, hs, hs, cu, cu, False, 32**-0.5)
+        torch.testing.assert_close(out.transpose(1, 2).unbind()[i].double().cpu(), want, atol=2e-2, rtol=2e-2)

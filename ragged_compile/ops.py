@@ -115,11 +115,13 @@ def ragged_attention(
         if not torch.compiler.is_compiling() and (cu_seqlens_q.device.type == "cpu" or debug_checks()):
             check_cu_seqlens_values(cu_seqlens_q, q.shape[0], "cu_seqlens_q", max_seqlen_q)
             check_cu_seqlens_values(cu_seqlens_k, k.shape[0], "cu_seqlens_k", max_seqlen_k)
-    if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is None:
+    if not torch._C._are_functorch_transforms_active():  # a constant to Dynamo
         # Autograd and AOTAutograd differentiate the op (or the LSE pair) through
         # its registered autograd.
         return attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale), checked=True)
-    # Under a torch.func transform (grad, vjp, jacrev, vmap).
+    # Under a torch.func transform (grad, vjp, jacrev, vmap), eager or traced by
+    # torch.compile: the Function torch.library makes for register_autograd has no
+    # setup_context, which functorch needs.
     return _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale))
 
 
@@ -186,7 +188,7 @@ def _undispatched(q, k, v) -> bool:
         and torch._C._len_torch_dispatch_stack() == 0
         and not torch._C._is_torch_function_mode_enabled()
         and not torch.autograd._profiler_enabled()
-        and torch._C._functorch.maybe_current_level() is None
+        and not torch._C._are_functorch_transforms_active()
     )
 
 

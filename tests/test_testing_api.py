@@ -269,15 +269,11 @@ def test_import_ragged_compile_does_not_import_hypothesis():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).parents[1])
 
 
-def test_fuzz_strategies_keep_their_old_names_and_shapes():
-    from fuzz import strategies as old
-
-    for name in old.__all__:
-        assert hasattr(old, name), name
-    layout = find(old.layouts(max_segments=8, max_len=16, max_total=50, cross=True), lambda l: l.n >= 2)
-    assert isinstance(layout.q_lens, tuple) and isinstance(layout.kv_lens, tuple)
-    case = find(old.attention_cases(max_segments=4, dtypes_=(torch.float32,)), lambda c: c.layout.total_q > 0)
-    assert isinstance(case.q_lens, tuple) and isinstance(case.kv_lens, tuple)
+def test_lengths_are_tuples_and_cases_call_the_op():
+    layout = find(testing.layouts(max_segments=8, max_len=16, max_tokens=50, cross=True), lambda l: l.n >= 2)
+    assert isinstance(layout.q_lengths, tuple) and isinstance(layout.k_lengths, tuple)
+    case = find(testing.attention_cases(max_segments=4, dtypes_=(torch.float32,)), lambda c: c.layout.total_q > 0)
+    assert isinstance(case.q_lengths, tuple) and isinstance(case.k_lengths, tuple)
     x = case.tensors()
     out = ragged_compile.ragged_attention(**case.call_kwargs(x))
     testing.assert_matches_reference(out, **case.call_kwargs(x))

@@ -85,8 +85,8 @@ def test_gradients_match_float64_autograd():
     )
     @given(
         case=attention_cases(
-            dtypes_=(torch.bfloat16, torch.float16),
-            head_dims_=HEAD_DIMS,
+            dtypes=(torch.bfloat16, torch.float16),
+            head_dims=HEAD_DIMS,
             max_segments=48,
             max_len=512,
             max_elements=1 << 20,

@@ -44,8 +44,8 @@ def _bits(x):
 
 def _cases(dtypes):
     return attention_cases(
-        dtypes_=dtypes,
-        head_dims_=(8, 16, 72),
+        dtypes=dtypes,
+        head_dims=(8, 16, 72),
         max_segments=10,
         min_segments=2,
         max_len=40,

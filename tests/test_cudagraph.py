@@ -117,7 +117,7 @@ def make_machine(device: str, cross: bool, split_kv="auto"):
                 self.used.add(b)
             self.last = (q_lens, kv_lens)
 
-        @rule(layout=layouts(max_segments=80, max_len=160, cross=cross, max_tokens=700, tiny_segments=4096))
+        @rule(layout=layouts(max_segments=80, max_len=160, cross=cross, max_tokens=700, max_tiny_segments=4096))
         def step(self, layout):
             self._run(layout.q_lengths, layout.k_lengths if cross else layout.q_lengths)
 
@@ -181,7 +181,7 @@ def test_state_machine_cuda(cross, split_kv):
 # -- pure bookkeeping -----------------------------------------------------------
 
 
-@given(layout=layouts(max_segments=80, max_len=200, max_tokens=None, tiny_segments=0))
+@given(layout=layouts(max_segments=80, max_len=200, max_tokens=None, max_tiny_segments=0))
 def test_pad_layout_keeps_real_segments_and_pads_to_the_ceiling(layout):
     buckets = as_buckets(BUCKETS)
     b = choose_bucket(buckets, layout.n, layout.total_q, layout.total_k)

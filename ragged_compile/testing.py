@@ -7,7 +7,7 @@ Install with ``pip install "ragged-compile[test]"`` (brings Hypothesis and pytes
 What it holds:
 
 * Strategies for **layouts**: :func:`layouts` draws a :class:`Layout` with empty
-  and one-token segments, floods of tiny segments (when ``max_segments`` allows),
+  and one-token segments, floods of tiny segments (when ``max_tiny_segments`` allows),
   uniform lengths, all-empty batches, cross layouts (independent q and k/v
   lengths) and, given a ``bucket``, layouts that fill the bucket exactly.
   :func:`segment_lengths` and :func:`tiny_segment_lengths` are the building blocks.
@@ -15,6 +15,9 @@ What it holds:
   :func:`ragged_compile.ragged_attention` keyword arguments (random q/k/v, GQA
   ratios, head dims incl. 72/80/96, dtypes, causal, scale).
   :func:`attention_cases` draws the same as a reproducible :class:`AttentionCase`.
+* Every strategy keeps, in every draw, every bound it is given, and checks its
+  arguments when it is made: a bad or contradictory one raises ``ValueError``
+  naming it.
 * **Checks**: :func:`assert_matches_reference` (a float64 per-segment oracle with
   dtype-aware tolerances), :func:`check_segment_independence` (perturb and
   poison one segment of your model's input: nothing else may move) and
@@ -142,6 +145,13 @@ def _choices(name: str, values, ok: Callable[[object], bool], what: str) -> tupl
     return values
 
 
+def _segment_range(min_segments: int, max_segments: int, limit: str = "max_segments") -> None:
+    if min_segments > max_segments:
+        raise ValueError(
+            f"min_segments ({min_segments}) > {limit} ({max_segments}): lower min_segments or raise {limit}"
+        )
+
+
 def _int_at_least(x, minimum: int) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= minimum
 
@@ -152,7 +162,8 @@ def _check_dtypes(name: str, values) -> tuple[torch.dtype, ...]:
 
 
 def _check_index_dtypes(name: str, values) -> tuple[torch.dtype, ...]:
-    return _choices(name, values, lambda d: isinstance(d, torch.dtype) and d in INDEX_DTYPES, "torch.int32 / torch.int64")
+    what = "torch.int32 / torch.int64"
+    return _choices(name, values, lambda d: isinstance(d, torch.dtype) and d in INDEX_DTYPES, what)
 
 
 # --------------------------------------------------------------------------- lengths
@@ -183,7 +194,9 @@ def _fill(lengths, total: int, max_len: int | None) -> tuple[int, ...]:
     return tuple(out)
 
 
-def tiny_segment_lengths(min_segments: int = 256, max_segments: int = 4096, max_len: int = 3) -> st.SearchStrategy[tuple[int, ...]]:
+def tiny_segment_lengths(
+    min_segments: int = 256, max_segments: int = 4096, max_len: int = 3
+) -> st.SearchStrategy[tuple[int, ...]]:
     """Hundreds to thousands of segments of 0..``max_len`` tokens (mostly 0 and 1).
 
     Lengths come from a drawn seed rather than one draw per segment; the segment
@@ -195,8 +208,7 @@ def tiny_segment_lengths(min_segments: int = 256, max_segments: int = 4096, max_
     _count("min_segments", min_segments)
     _count("max_segments", max_segments)
     _count("max_len", max_len)
-    if min_segments > max_segments:
-        raise ValueError(f"min_segments ({min_segments}) > max_segments ({max_segments}): lower min_segments")
+    _segment_range(min_segments, max_segments)
     return _tiny_segment_lengths(min_segments, max_segments, max_len)
 
 
@@ -227,7 +239,8 @@ def _one_length(max_len: int) -> st.SearchStrategy[int]:
 def _seeded_lengths(draw, count: int, max_len: int) -> tuple[int, ...]:
     """``count`` mixed lengths (0, 1, short, up to ``max_len``) from one drawn seed."""
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
-    pick = (lambda: 0, lambda: min(1, max_len), lambda: rng.randint(0, min(8, max_len)), lambda: rng.randint(0, max_len))
+    short = min(8, max_len)
+    pick = (lambda: 0, lambda: min(1, max_len), lambda: rng.randint(0, short), lambda: rng.randint(0, max_len))
     return tuple(rng.choice(pick)() for _ in range(count))
 
 
@@ -290,8 +303,7 @@ def segment_lengths(
         _count(name, value)
     for name, value in (("max_tokens", max_tokens), ("max_tiny_segments", max_tiny_segments), ("n", n)):
         _count(name, value, optional=True)
-    if min_segments > max_segments:
-        raise ValueError(f"min_segments ({min_segments}) > max_segments ({max_segments}): lower min_segments")
+    _segment_range(min_segments, max_segments)
     tiny = _tiny_default(max_tiny_segments, max_segments)
 
     @st.composite
@@ -487,14 +499,15 @@ def layouts(
         full = max_segments
     if max_k_tokens is None:
         max_k_tokens = max_tokens
-    if min_segments > max_segments:
-        limit = "the bucket's S or max_segments" if bucket is not None else "max_segments"
-        raise ValueError(f"min_segments ({min_segments}) > {limit} ({max_segments}): lower min_segments")
+    limit = "the bucket's S or max_segments" if bucket is not None else "max_segments"
+    _segment_range(min_segments, max_segments, limit)
     fill_cap = max_len  # a full bucket honours a max_len given, not the default
     if max_len is None:
         max_len = 1024 if max_tokens is None else min(max_tokens, 1024)
     tiny = _tiny_default(max_tiny_segments, max_segments)
-    return _layouts(max_segments, max_tokens, max_k_tokens, cross, full, min_segments, max_len, fill_cap, max_scores, tiny)
+    return _layouts(
+        max_segments, max_tokens, max_k_tokens, cross, full, min_segments, max_len, fill_cap, max_scores, tiny
+    )
 
 
 @st.composite
@@ -752,8 +765,7 @@ def attention_cases(
         _count(name, value)
     _count("max_elements", max_elements, minimum=1)
     _count("max_score_elements", max_score_elements, minimum=1)
-    if min_segments > max_segments:
-        raise ValueError(f"min_segments ({min_segments}) > max_segments ({max_segments}): lower min_segments")
+    _segment_range(min_segments, max_segments)
     _flag("cross", cross)
     _flag("causal", causal)
     _flag("fused_qkv", fused_qkv, optional=False)

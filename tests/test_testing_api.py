@@ -142,14 +142,28 @@ def _layout_bounds(kw):
     return S, Tq, Tk, tiny
 
 
+def _rejects_contradiction(make, kw, S) -> bool:
+    """``min_segments`` above the segment bound ``S``: ``make(**kw)`` raises naming it."""
+    if kw.get("min_segments", 0) <= S:
+        return False
+    with pytest.raises(ValueError, match="min_segments"):
+        make(**kw)
+    return True
+
+
+def _assert_count(lens, n, kw, S, tiny):
+    """``min_segments <= n <= S``, or a flood (the one documented excess) of at most ``tiny``."""
+    assert n >= kw.get("min_segments", 0), (lens, kw)
+    if tiny >= 256 and tiny > S and n > S:
+        assert n <= tiny and max(lens) <= 3, (lens, kw)
+    else:
+        assert n <= S, (lens, kw)
+
+
 def _assert_within(layout, kw):
     S, Tq, Tk, tiny = _layout_bounds(kw)
     lens = layout.q_lengths + layout.k_lengths
-    if tiny >= 256 and tiny > S and layout.n > S:  # a flood, the one documented excess
-        assert layout.n <= tiny and max(lens) <= 3, (layout, kw)
-    else:
-        assert layout.n <= S, (layout, kw)
-    assert layout.n >= kw.get("min_segments", 0), (layout, kw)
+    _assert_count(lens, layout.n, kw, S, tiny)
     if not layout.cross:
         Tq = Tk = min((t for t in (Tq, Tk) if t is not None), default=None)
     assert Tq is None or layout.total_q <= Tq, (layout, kw)
@@ -165,10 +179,7 @@ def _assert_within(layout, kw):
 @_BOUNDS
 @given(kw=_some_arguments(_LAYOUT_ARGS), data=st.data())
 def test_layouts_keep_every_bound_they_are_given(kw, data):
-    S = _layout_bounds(kw)[0]
-    if kw.get("min_segments", 0) > S:
-        with pytest.raises(ValueError, match="min_segments"):
-            testing.layouts(**kw)
+    if _rejects_contradiction(testing.layouts, kw, _layout_bounds(kw)[0]):
         return
     strategy = testing.layouts(**kw)
     for i in range(4):
@@ -209,19 +220,15 @@ def test_full_buckets_keep_an_explicit_max_len():
 )
 def test_segment_lengths_keep_their_bounds(kw, data):
     S = kw.get("max_segments", 64)
-    if kw.get("min_segments", 0) > S:
-        with pytest.raises(ValueError, match="min_segments"):
-            testing.segment_lengths(**kw)
+    if _rejects_contradiction(testing.segment_lengths, kw, S):
         return
     tiny = kw.get("max_tiny_segments", S if S >= 256 else 0)
     for _ in range(4):
         lens = data.draw(testing.segment_lengths(**kw))
         if "n" in kw:
             assert len(lens) == kw["n"]
-        elif tiny >= 256 and tiny > S and len(lens) > S:
-            assert len(lens) <= tiny and max(lens) <= 3
         else:
-            assert kw.get("min_segments", 0) <= len(lens) <= S
+            _assert_count(lens, len(lens), kw, S, tiny)
         assert max(lens, default=0) <= kw.get("max_len", 256)
         assert kw.get("max_tokens") is None or sum(lens) <= kw["max_tokens"]
 
@@ -254,9 +261,7 @@ _CASE_ARGS = {
 @given(kw=_some_arguments(_CASE_ARGS), data=st.data())
 def test_attention_cases_and_inputs_keep_their_arguments(kw, data):
     S = kw.get("max_segments", 64)
-    if kw.get("min_segments", 0) > S:
-        with pytest.raises(ValueError, match="min_segments"):
-            testing.attention_cases(**kw)
+    if _rejects_contradiction(testing.attention_cases, kw, S):
         return
     case = data.draw(testing.attention_cases(**kw), label="case")
     layout, D = case.layout, case.head_dim
@@ -268,10 +273,7 @@ def test_attention_cases_and_inputs_keep_their_arguments(kw, data):
         if kw.get(name) is not None:
             assert getattr(owner, name) == kw[name]
     assert not case.fused_qkv or kw.get("fused_qkv", True)
-    tiny = kw.get("max_tiny_segments", 4096)
-    if layout.n > S:
-        assert tiny >= 256 and layout.n <= tiny and max(layout.q_lengths + layout.k_lengths) <= 3
-    assert layout.n >= kw.get("min_segments", 0)
+    _assert_count(layout.q_lengths + layout.k_lengths, layout.n, kw, S, kw.get("max_tiny_segments", 4096))
     assert max(layout.q_lengths + layout.k_lengths, default=0) <= kw.get("max_len", 256)
     per_token = case.hq * D
     assert max(layout.total_q, layout.total_k) <= max(1, kw.get("max_elements", 1 << 17) // per_token)

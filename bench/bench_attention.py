@@ -18,8 +18,8 @@ what each column means.
 This file is the driver (command line, the per-op loop, writing results); the
 parts live next to it: layouts.py (the layout classes), variants.py (the
 implementations compared), timing.py (how everything is timed), report.py
-(tables and chart), e2e.py (the end-to-end encoder), harness.py (errors,
-budget, logging).
+(tables and chart), e2e.py (the end-to-end variants), model.py (the encoder),
+harness.py (errors, budget, logging).
 """
 
 from __future__ import annotations
@@ -34,45 +34,38 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-if ROOT not in sys.path:
-    sys.path.insert(1, ROOT)
+import torch
 
-import torch  # noqa: E402
-
-from e2e import run_e2e  # noqa: E402
-from harness import (  # noqa: E402
-    CPU_EXPECTED_FAILURES,
+from e2e import run_e2e
+from env import environment
+from harness import (
     E2E_REL_TOL,
+    HERE,
     T_START,
     TOL,
     Budget,
-    Skip,
     auto_backend,
     dense_attention,
-    environment,
     err_str,
     log,
     max_diff,
     raise_recompile_limits,
+    recorded,
     reference_attention,
     sanitize,
     stats_delta,
     tb_tail,
 )
-from layouts import LAYOUT_SPECS, Case  # noqa: E402
-from report import fmt_rec, render_chart, render_markdown, section_meta, summarize_layout  # noqa: E402
-from timing import sync, time_fn  # noqa: E402
-from variants import IMPLS, Shared, paired_vs_flashinfer  # noqa: E402
+from layouts import LAYOUT_SPECS, Case
+from report import fmt_rec, render_chart, render_markdown, section_meta, summarize_layout
+from timing import sync, time_fn
+from variants import IMPLS, Shared, paired_vs_flashinfer
 
 
 def measure(name, builder, c: Case, sh: Shared, args, budget: Budget) -> dict:
     rec: dict = {"impl": name}
     t0 = time.perf_counter()
-    try:
+    with recorded(rec, name, c.dev):
         budget.check()
         with contextlib.ExitStack() as stack:
             prep = builder(c, sh, stack)
@@ -106,23 +99,6 @@ def measure(name, builder, c: Case, sh: Shared, args, budget: Budget) -> dict:
                 rec["runtime_stats_during_timing"] = stats_delta(prep.stats(), before)
             rec["tflops"] = c.flops / (rec["ms"] * 1e-3) / 1e12 if rec["ms"] else None
             rec["status"] = "ok"
-    except Skip as s:
-        rec["status"] = s.status
-        rec["reason"] = str(s)
-    except Exception as e:  # noqa: BLE001
-        if c.dev.type != "cuda" and name in CPU_EXPECTED_FAILURES:
-            rec["status"] = "skipped"
-            rec["reason"] = f"{CPU_EXPECTED_FAILURES[name]} (tried on CPU: {err_str(e, 200)})"
-        else:
-            rec["status"] = "error"
-            rec["error"] = err_str(e)
-            rec["traceback"] = tb_tail()
-    finally:
-        rec["wall_s"] = time.perf_counter() - t0
-        try:
-            sync(c.dev)
-        except Exception as e:  # noqa: BLE001 - a poisoned CUDA context: say so
-            rec["cuda_error_after"] = err_str(e)
     return rec
 
 
@@ -205,12 +181,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default 5; smoke 1)")
     p.add_argument("--target-s", type=float, default=0.3, help="aim for this much timed work per op")
     p.add_argument("--e2e-reps", type=int, default=20)
-    p.add_argument(
-        "--time-budget-s",
-        type=float,
-        default=540.0,
-        help="stop starting new measurements after this many seconds (outputs are always written)",
-    )
+    p.add_argument("--time-budget-s", type=float, default=float("inf"),
+                   help="stop starting new measurements after this many seconds (default: no limit)")
     args = p.parse_args(argv)
     if args.reps is None:
         args.reps = 3 if args.smoke else 30
@@ -258,7 +230,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             log(f"writing results failed: {err_str(e)}")
 
-    def on_term(signum, frame):  # the device tool's timeout: still write what we have
+    def on_term(signum, frame):  # a timeout's SIGTERM: still write what we have
         raise KeyboardInterrupt(f"signal {signum}")
 
     with contextlib.suppress(Exception):

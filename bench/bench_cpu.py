@@ -12,9 +12,9 @@ Contenders, on the same packed inputs in one process:
   mask (key padding, and the causal triangle when causal).
 
 Forward runs under ``no_grad``; forward+backward takes ``(out * grad).sum().backward()``
-of leaf q, k, v. Rounds interleave the contenders (ours, loop, padded, ours, ...) and
-each number is the minimum over ``--rounds`` rounds of the mean of a few calls, so a
-neighbour's load on a shared machine inflates all three alike. ``ratio`` is ours over
+of leaf q, k, v. Rounds interleave the contenders (ours, loop, padded; loop, padded,
+ours; ...) and each number is the minimum over ``--rounds`` rounds of the mean of a
+few calls, so a neighbour's load on a shared machine inflates all three alike. ``ratio`` is ours over
 the faster stock way: below 1 is faster. Writes cpu.json and cpu.md to ``--out``.
 """
 
@@ -28,21 +28,20 @@ import platform
 import sys
 import time
 
+import torch
+import torch.nn.functional as F
+
+import ragged_compile as rc
+from env import environment
+from layouts import cu_seqlens, random_lengths
+from timing import interleaved
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import ragged_compile as rc  # noqa: E402
-from env import environment  # noqa: E402
 
 
 def layouts(quick: bool):
     g = torch.Generator().manual_seed(0)
-    mixed = torch.randint(0, 457, (24,), generator=g).tolist()
-    tiny = torch.randint(1, 33, (256,), generator=g).tolist()
-    cross_k = torch.randint(0, 457, (24,), generator=g).tolist()
+    mixed, tiny, cross_k = (random_lengths(n, lo, hi, g) for n, lo, hi in ((24, 0, 456), (256, 1, 32), (24, 0, 456)))
     rows = []
     for causal in (False, True):
         rows.append(("mixed 24 x 0..456", mixed, mixed, causal, 8, 8, torch.float32))
@@ -57,14 +56,8 @@ def layouts(quick: bool):
     return rows
 
 
-def cu(lens):
-    c = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    c[1:] = torch.cumsum(torch.tensor(lens), 0)
-    return c
-
-
 def contenders(lq, lk, causal, hq, hkv):
-    cq, ck = cu(lq), cu(lk)
+    cq, ck = cu_seqlens(lq), cu_seqlens(lk)
     bq, bk = cq.tolist(), ck.tolist()
     gqa = hq != hkv
 
@@ -125,14 +118,14 @@ def measure(fns, make, mode, rounds, budget_s, clock):
     for fn in fns.values():  # warm-up, which also sets the calls per round
         run(fn)
     reps = max(1, min(20, int(budget_s / max(1e-6, clock() - t0))))
-    best = {name: float("inf") for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t = clock()
-            for _ in range(reps):
-                run(fn)
-            best[name] = min(best[name], (clock() - t) / reps * 1e3)
-    return best
+
+    def mean_ms(fn):
+        t = clock()
+        for _ in range(reps):
+            run(fn)
+        return (clock() - t) / reps * 1e3
+
+    return {name: min(ms) for name, ms in interleaved(fns, rounds, mean_ms).items()}
 
 
 def main(argv=None):

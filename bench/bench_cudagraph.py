@@ -27,70 +27,29 @@ import functools
 import json
 import pathlib
 import statistics
-import sys
 import time
 import traceback
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-import ragged_compile as rc  # noqa: E402
-from env import environment  # noqa: E402
-from timing import gpu_queued_ms, time_steps  # noqa: E402
-
-
-class Layer(torch.nn.Module):
-    def __init__(self, d, heads, mlp=4):
-        super().__init__()
-        self.heads, self.hd = heads, d // heads
-        self.n1, self.n2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.qkv = torch.nn.Linear(d, 3 * d)
-        self.o = torch.nn.Linear(d, d)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, mlp * d), torch.nn.GELU(), torch.nn.Linear(mlp * d, d))
-
-    def forward(self, x, cu):
-        q, k, v = self.qkv(self.n1(x)).unflatten(-1, (3, self.heads, self.hd)).unbind(1)
-        x = x + self.o(rc.ragged_attention(q, k, v, cu).flatten(1))
-        return x + self.mlp(self.n2(x))
-
-
-class Encoder(torch.nn.Module):
-    def __init__(self, d=2048, heads=16, layers=8):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(Layer(d, heads) for _ in range(layers))
-
-    def forward(self, x, cu):
-        for layer in self.layers:
-            x = layer(x, cu)
-        return x
-
-
-def random_lens(gen, n, lo, hi, total=None):
-    lens = torch.randint(lo, hi + 1, (n,), generator=gen)
-    if total is not None:  # rescale to a fixed total so every step fits one bucket
-        lens = (lens.double() * total / lens.sum()).floor().long().clamp(min=1)
-    return lens.tolist()
-
-
-def cu_of(lens):
-    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-    return cu
+import ragged_compile as rc
+from env import environment
+from layouts import cu_seqlens, random_lengths
+from model import Encoder
+from timing import gpu_queued_ms, time_steps
 
 
 def measure(call, layouts, device, d, dtype):
     """Back-to-back steps over `layouts`; returns wall/host/gpu ms per step."""
-    xs = [torch.randn(sum(l), d, device=device, dtype=dtype) for l in layouts]
-    steps = [functools.partial(call, x, cu_of(lens), lens) for x, lens in zip(xs, layouts)]
+    xs = [torch.randn(sum(lens), d, device=device, dtype=dtype) for lens in layouts]
+    steps = [functools.partial(call, x, cu_seqlens(lens), lens) for x, lens in zip(xs, layouts)]
     return time_steps(steps)
 
 
 def gpu_only(call, layouts, device, d, dtype, reps=9):
     """GPU time of one step when the host is not the bottleneck."""
     x = torch.randn(sum(layouts[0]), d, device=device, dtype=dtype)
-    return gpu_queued_ms(functools.partial(call, x, cu_of(layouts[0]), layouts[0]), reps)
+    return gpu_queued_ms(functools.partial(call, x, cu_seqlens(layouts[0]), layouts[0]), reps)
 
 
 BLOCKS = 4  # eager and graphed alternate in blocks of steps, so clock drift hits both
@@ -121,7 +80,7 @@ def run_case(name, model, layouts, bucket, d, dtype, compiled):
     with torch.no_grad():
         for call in calls.values():  # warm: compile (two shapes: the dynamic recompile), capture
             for lens in layouts[:2]:
-                call(torch.randn(sum(lens), d, device=device, dtype=dtype), cu_of(lens), lens)
+                call(torch.randn(sum(lens), d, device=device, dtype=dtype), cu_seqlens(lens), lens)
         rt_before, g_before = dict(rt.stats), dict(g.stats)
         blocks = {k: [] for k in calls}
         for i in range(0, per * BLOCKS, per):
@@ -139,7 +98,7 @@ def run_case(name, model, layouts, bucket, d, dtype, compiled):
         row["graphed"]["captures"] = g.stats["captures"]
         row["graphed"]["plans_per_step"] = round(d_g["plans"] / max(d_g["replays"], 1), 2)
         x = torch.randn(sum(layouts[-1]), d, device=device, dtype=dtype)
-        cu = cu_of(layouts[-1])
+        cu = cu_seqlens(layouts[-1])
         err = (g(x, cu).float() - eager(x, cu, layouts[-1]).float()).abs().max().item()
         row["max_diff_graphed_vs_eager"] = err
     for mode in calls:
@@ -149,6 +108,11 @@ def run_case(name, model, layouts, bucket, d, dtype, compiled):
     row["graphed_vs_eager_wall"] = round(row["graphed"]["wall_ms"] / row["eager"]["wall_ms"], 3)
     print(json.dumps(row), flush=True)
     return row
+
+
+def encoder(d=2048, heads=16, layers=8):
+    """The graph-mode benchmark's model: model.py's encoder with one q/k/v projection."""
+    return Encoder(d, heads, layers, fused_qkv=True)
 
 
 def main(argv=None):
@@ -164,19 +128,19 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
     steps = 20 if args.smoke else args.steps
-    short = [random_lens(gen, 250, 16, 256, total=34000) for _ in range(steps)]
-    mixed = [random_lens(gen, 16, 64, 4096, total=34000) for _ in range(steps)]
-    tiny = [random_lens(gen, 250, 16, 64) for _ in range(steps)]
+    short = [random_lengths(250, 16, 256, gen, total=34000) for _ in range(steps)]
+    mixed = [random_lengths(16, 64, 4096, gen, total=34000) for _ in range(steps)]
+    tiny = [random_lengths(250, 16, 64, gen) for _ in range(steps)]
     rows = []
     cases = [
-        ("attention_1layer_short250", lambda: Layer(2048, 16), short, (256, 34000), 2048),
-        ("encoder8_short250", lambda: Encoder(), short, (256, 34000), 2048),
-        ("encoder8_mixed16", lambda: Encoder(), mixed, (16, 34000), 2048),
+        ("attention_1layer_short250", functools.partial(encoder, layers=1), short, (256, 34000), 2048),
+        ("encoder8_short250", encoder, short, (256, 34000), 2048),
+        ("encoder8_mixed16", encoder, mixed, (16, 34000), 2048),
         # Launch-bound: a small encoder over ~250 short segments, where host work is most of a step.
-        ("encoder8_d512_short250", lambda: Encoder(512, 8), tiny, (256, 11264), 512),
+        ("encoder8_d512_short250", functools.partial(encoder, 512, 8), tiny, (256, 11264), 512),
     ]
     if args.smoke:
-        cases = [("smoke", lambda: Encoder(256, 4, 2), [l[:8] for l in short], (8, 34000), 256)]
+        cases = [("smoke", functools.partial(encoder, 256, 4, 2), [lens[:8] for lens in short], (8, 34000), 256)]
     for name, make, layouts, bucket, d in cases:
         for compiled in (False, True):
             try:

@@ -1,4 +1,4 @@
-"""transformers models on our op vs "sdpa", side by side in one process (issue 12).
+"""transformers models on our op vs "sdpa", side by side in one process.
 
 Cases (random weights from configs, bf16 on CUDA):
 
@@ -14,7 +14,7 @@ Cases (random weights from configs, bf16 on CUDA):
 Each case checks ours against "sdpa" on the valid tokens (relative error) and
 records the runtime's plans and offset reads per forward (CUDA).
 
-    python bench/bench_hf.py --out bench/results/hf.json           # H200
+    python bench/bench_hf.py --out bench/results/hf.json
     python bench/bench_hf.py --smoke --out /tmp/hf.json             # tiny, any device
 """
 
@@ -23,36 +23,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from bench.env import environment  # noqa: E402
-from ragged_compile import hf  # noqa: E402
-
-
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+from env import environment
+from layouts import cu_seqlens
+from ragged_compile import hf
+from timing import call_ms, median, sync
 
 
-def timed(fn, dev, warmup=2, iters=5):
-    """Median wall ms per call (synchronised), after warmup calls."""
-    for _ in range(warmup):
-        fn()
-    sync(dev)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync(dev)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), times
+def timed(fn, dev, iters):
+    """Median wall ms per call (synchronised) after two warm-up calls, and every time."""
+    times = call_ms(fn, dev, iters, warmup=2)
+    return median(times), times
+
+
+def build(cls, cfg, dev, dtype, **kw):
+    """A model of random weights on "sdpa", initialised on the device (seconds, not tens of seconds)."""
+    torch.manual_seed(0)
+    cfg._attn_implementation = "sdpa"
+    with dev:
+        return cls(cfg, **kw).to(dtype).eval()
 
 
 def rel_err(out, ref):
@@ -79,13 +72,17 @@ def per_forward(dev, fn):
     return {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
 
 
-def side_by_side(model, run_sdpa, run_ours, dev, iters):
+def side_by_side(model, run_sdpa, run_ours, dev, iters, valid_sdpa=lambda o: o, valid_ours=lambda o: o):
+    """"sdpa" then ours on one model: ms per forward, ours' relative error on the
+    valid tokens (``valid_*`` pick them from each output), ours' runtime counters."""
     model.set_attn_implementation("sdpa")
-    ms_sdpa, t_sdpa = timed(run_sdpa, dev, iters=iters)
+    ref = valid_sdpa(run_sdpa())
+    ms_sdpa, t_sdpa = timed(run_sdpa, dev, iters)
     model.set_attn_implementation(NAME)
-    ms_ours, t_ours = timed(run_ours, dev, iters=iters)
+    err = rel_err(valid_ours(run_ours()), ref)
+    ms_ours, t_ours = timed(run_ours, dev, iters)
     counters = per_forward(dev, run_ours)
-    return {"sdpa_ms": ms_sdpa, "ours_ms": ms_ours, "speedup": ms_sdpa / ms_ours,
+    return {"sdpa_ms": ms_sdpa, "ours_ms": ms_ours, "speedup": ms_sdpa / ms_ours, "rel_err": err,
             "sdpa_times_ms": t_sdpa, "ours_times_ms": t_ours, "ours_runtime_per_forward": counters}
 
 
@@ -110,22 +107,15 @@ def vision_case(dev, dtype, smoke, iters):
                  (60, 44), (32, 40), (68, 52), (44, 36), (52, 64), (20, 36), (64, 64), (36, 28)]
     grid = torch.tensor([[1, h, w] for h, w in sizes], device=dev)
     tokens = int((grid[:, 1] * grid[:, 2]).sum())
-    torch.manual_seed(0)
-    cfg._attn_implementation = "sdpa"
-    with dev:  # initialise on the device: seconds, not tens of seconds
-        model = Qwen2_5_VisionTransformerPretrainedModel(cfg).to(dtype).eval()
+    model = build(Qwen2_5_VisionTransformerPretrainedModel, cfg, dev, dtype)
     x = torch.randn(tokens, 3 * 2 * cfg.patch_size ** 2, device=dev, dtype=dtype)
 
     def run():
         return model(x, grid_thw=grid).pooler_output
 
-    model.set_attn_implementation("sdpa")
-    ref = run()
-    model.set_attn_implementation(NAME)
-    out = run()
     res = side_by_side(model, run, run, dev, iters)
     res.update(images=len(sizes), patches=tokens, layers=cfg.depth, heads=cfg.num_heads,
-               head_dim=cfg.hidden_size // cfg.num_heads, rel_err=rel_err(out, ref), target_speedup=2.5)
+               head_dim=cfg.hidden_size // cfg.num_heads, target_speedup=2.5)
     return res
 
 
@@ -142,24 +132,19 @@ def decoder_case(dev, dtype, smoke, iters):
                           tie_word_embeddings=True)
         g = torch.Generator().manual_seed(0)
         lengths = [32, 2048] + torch.randint(32, 2049, (14,), generator=g).tolist()
-    torch.manual_seed(0)
-    cfg._attn_implementation = "sdpa"
-    with dev:  # initialise on the device: seconds, not tens of seconds
-        model = Qwen2Model(cfg).to(dtype).eval()
+    model = build(Qwen2Model, cfg, dev, dtype)
     n, s = len(lengths), max(lengths)
     total = sum(lengths)
     ids = torch.randint(0, cfg.vocab_size, (total,), device=dev)
     # Padded (right) for "sdpa".
     padded = torch.zeros(n, s, dtype=torch.long, device=dev)
     mask = torch.zeros(n, s, dtype=torch.long, device=dev)
-    starts = [0]
-    for L in lengths:
-        starts.append(starts[-1] + L)
+    cu = cu_seqlens(lengths, dev)
+    starts = cu.tolist()
     for i, L in enumerate(lengths):
         padded[i, :L] = ids[starts[i]:starts[i + 1]]
         mask[i, :L] = 1
     # Packed for ours, as DataCollatorWithFlattening(return_flash_attn_kwargs=True) builds it.
-    cu = torch.tensor(starts, dtype=torch.int32, device=dev)
     pos = torch.cat([torch.arange(L, device=dev) for L in lengths])[None]
     packed = dict(input_ids=ids[None], position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                   max_length_q=s, max_length_k=s, use_cache=False)
@@ -172,12 +157,8 @@ def decoder_case(dev, dtype, smoke, iters):
         fresh = cu.clone()
         return model(**{**packed, "cu_seq_lens_q": fresh, "cu_seq_lens_k": fresh}).last_hidden_state
 
-    model.set_attn_implementation("sdpa")
-    ref = run_sdpa()[mask.bool()]
-    model.set_attn_implementation(NAME)
-    out = run_ours()[0]
-    res = side_by_side(model, run_sdpa, run_ours, dev, iters)
-    res.update(sequences=n, tokens=total, padded_tokens=n * s, lengths=lengths, rel_err=rel_err(out, ref),
+    res = side_by_side(model, run_sdpa, run_ours, dev, iters, lambda o: o[mask.bool()], lambda o: o[0])
+    res.update(sequences=n, tokens=total, padded_tokens=n * s, lengths=lengths,
                sdpa_tokens_per_s=total / res["sdpa_ms"] * 1e3, ours_tokens_per_s=total / res["ours_ms"] * 1e3,
                params=sum(p.numel() for p in model.parameters()), target_speedup=2.0)
     return res
@@ -195,10 +176,7 @@ def encoder_case(dev, dtype, smoke, iters):
                          intermediate_size=4096, max_position_embeddings=512)
         g = torch.Generator().manual_seed(1)
         lengths = [512, 16] + torch.randint(16, 513, (30,), generator=g).tolist()
-    torch.manual_seed(0)
-    cfg._attn_implementation = "sdpa"
-    with dev:  # initialise on the device: seconds, not tens of seconds
-        model = BertModel(cfg, add_pooling_layer=False).to(dtype).eval()
+    model = build(BertModel, cfg, dev, dtype, add_pooling_layer=False)
     n, s = len(lengths), max(lengths)
     ids = torch.randint(0, cfg.vocab_size, (n, s), device=dev)
     mask = (torch.arange(s, device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]).long()
@@ -207,13 +185,9 @@ def encoder_case(dev, dtype, smoke, iters):
         # A fresh mask per forward, as a data loader gives (no layout cached across forwards).
         return model(input_ids=ids, attention_mask=mask.clone()).last_hidden_state
 
-    model.set_attn_implementation("sdpa")
-    ref = run()[mask.bool()]
-    model.set_attn_implementation(NAME)
-    out = run()[mask.bool()]
-    res = side_by_side(model, run, run, dev, iters)
+    res = side_by_side(model, run, run, dev, iters, lambda o: o[mask.bool()], lambda o: o[mask.bool()])
     res.update(batch=n, seq=s, tokens=sum(lengths), padding_fraction=1 - sum(lengths) / (n * s),
-               rel_err=rel_err(out, ref), target_speedup=1.0)
+               target_speedup=1.0)
     return res
 
 

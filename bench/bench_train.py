@@ -1,24 +1,30 @@
-"""Training benchmark (CUDA): attention forward+backward and an encoder training step.
+"""Training benchmark: attention forward+backward and an encoder training step.
 
     python bench/bench_train.py --out bench/results [--only attn|e2e] [--smoke]
 
-Side by side in one process, bf16:
+Side by side in one process, bf16 (CUDA; ``--smoke`` runs tiny sizes anywhere,
+the CPU included, where the CUDA-only rows record their error):
 
 * ``attn``: attention forward+backward (``torch.autograd.grad`` of a fixed output
-  gradient) on the mixed (16 x 64..4096), mixed causal, long (4 x 8192) and GQA
-  32/8 layouts, 16 (32) heads of 128. ``ours``: ``ragged_attention`` inside a
-  runtime step whose plan is made (the per-layer cost in a model, where one plan
-  serves every layer); ``ours_plan``: a fresh step per call (plan included);
+  gradient) on the mixed16, mixed16_causal, long4x8192 and gqa32_8 layouts of
+  layouts.py. ``ours``: ``ragged_attention`` inside a runtime step whose plan is
+  made (the per-layer cost in a model, where one plan serves every layer), with
+  the backward ``auto`` picks (flash-attn-4's where it is installed);
+  ``ours_fa2``: the same with ``RAGGED_COMPILE_BACKWARD=fa2``; ``ours_plan``: a
+  fresh step per call (plan included); ``ours_fwd``: the forward alone;
   ``varlen_attn``: ``torch.nn.attention.varlen.varlen_attn`` (FA2 forward and
   backward), GQA with k/v expanded where it has no ``enable_gqa``; ``njt_sdpa``:
-  stock NJT SDPA (no GQA).
-* ``e2e``: an 8-layer pre-norm encoder (d=2048, 16 heads) training step on the
-  mixed layout: forward, backward, AdamW. ``ours``: NJT model through
-  ``ragged_compile.compile``; ``njt_sdpa_compiled``: the same NJT model through
-  ``torch.compile``; ``varlen_compiled``: the packed model with ``varlen_attn``
-  through ``torch.compile``. Peak memory per step (``max_memory_allocated``).
+  stock NJT SDPA (no GQA). ``--smoke`` also checks ours' gradients against the
+  float64 oracle (``ragged_compile.reference.dense_gradients``).
+* ``e2e``: the 8-layer encoder of model.py (d=2048, 16 heads) training step on
+  mixed16: forward, backward, AdamW. ``ours`` / ``ours_fa2``: the NJT model
+  through ``ragged_compile.compile``; ``njt_sdpa_compiled``: the same NJT model
+  through ``torch.compile``; ``varlen_compiled``: the packed model with
+  ``varlen_attn`` through ``torch.compile``. Peak memory per step
+  (``max_memory_allocated``, CUDA).
 
-Writes ``train.json`` and ``train.md`` under ``--out``.
+Writes ``train.json`` and ``train.md`` (``train-attn.*`` / ``train-e2e.*`` with
+``--only``) under ``--out``.
 """
 
 from __future__ import annotations
@@ -26,110 +32,78 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import inspect
 import json
 import os
-import sys
 import time
 import traceback
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+import ragged_compile as rc
+from env import environment
+from harness import DTYPE
+from layouts import LAYOUT_SPECS, Case, cu_seqlens, lengths_for
+from model import Encoder, values
+from ragged_compile.reference import dense_gradients
+from ragged_compile.runtime import Runtime
+from timing import sync, time_fn
+from variants import varlen_kwargs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-
-import ragged_compile as rc  # noqa: E402
-from env import environment  # noqa: E402
-from ragged_compile.runtime import Runtime  # noqa: E402
-
-DEV = torch.device("cuda")
-DT = torch.bfloat16
+ATTN_LAYOUTS = ("mixed16", "mixed16_causal", "long4x8192", "gqa32_8")
 
 
-def lengths(kind: str, smoke: bool) -> list[int]:
-    if kind == "mixed":
-        if smoke:
-            return [8, 64, 33, 17]
-        for seed in range(10_000):  # as bench_attention.py: 16 segments of 64..4096, 33-36k tokens
-            g = torch.Generator().manual_seed(1000 + seed)
-            lens = torch.randint(64, 4097, (16,), generator=g)
-            lens[0], lens[1] = 64, 4096
-            lens = lens[torch.randperm(16, generator=g)]
-            if 33000 <= int(lens.sum()) <= 36000:
-                return [int(x) for x in lens]
-    if kind == "long":
-        return [96, 96] if smoke else [8192] * 4
-    raise ValueError(kind)
+@contextlib.contextmanager
+def backward(kernel: str | None):
+    """Force the op's CUDA backward (read per call from RAGGED_COMPILE_BACKWARD)."""
+    old = os.environ.get("RAGGED_COMPILE_BACKWARD")
+    if kernel is not None:
+        os.environ["RAGGED_COMPILE_BACKWARD"] = kernel
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("RAGGED_COMPILE_BACKWARD", None)
+        else:
+            os.environ["RAGGED_COMPILE_BACKWARD"] = old
 
 
-def time_ms(fn, reps: int, warmup: int = 3) -> dict:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
-    return {"ms": ts[len(ts) // 2], "ms_min": ts[0], "ms_p90": ts[(len(ts) * 9) // 10], "reps": reps}
-
-
-def _cu(lens):
-    return torch.tensor([0] + lens).cumsum(0).to(DEV, torch.int32)
-
-
-def _varlen_kwargs(causal: bool, gqa: bool):
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
-    kw = {"window_size": (-1, 0)} if causal else {}
-    if "is_causal" in params and causal:
-        kw = {"is_causal": True}
-    expand = gqa and "enable_gqa" not in params
-    if gqa and not expand:
-        kw["enable_gqa"] = True
-    return varlen_attn, kw, expand
+def timed(fn, dev, reps: int, warmup: int) -> dict:
+    t = time_fn(fn, dev, warmup=warmup, min_reps=reps)
+    return {k: t[k] for k in ("ms", "ms_min", "ms_p90", "reps")}
 
 
 # -------------------------------------------------------------------------- attention
-ATTN_CASES = [  # name, kind, hq, hkv, causal
-    ("mixed16", "mixed", 16, 16, False),
-    ("mixed16_causal", "mixed", 16, 16, True),
-    ("long4x8192", "long", 16, 16, False),
-    ("gqa32_8", "mixed", 32, 8, False),
-]
-
-
-def bench_attention(args) -> dict:
+def bench_attention(args, dev) -> dict:
     res = {}
-    for name, kind, hq, hkv, causal in ATTN_CASES:
-        lens = lengths(kind, args.smoke)
-        T, D = sum(lens), 128
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(T, hq, D, device=DEV, generator=g).to(DT).requires_grad_()
-        k = torch.randn(T, hkv, D, device=DEV, generator=g).to(DT).requires_grad_()
-        v = torch.randn(T, hkv, D, device=DEV, generator=g).to(DT).requires_grad_()
-        go = torch.randn(T, hq, D, device=DEV, generator=g).to(DT)
-        cu, m = _cu(lens), max(lens)
-        rt = Runtime()
-        row = {"lengths": lens, "tokens": T, "hq": hq, "hkv": hkv, "causal": causal}
+    specs = {s[0]: s for s in LAYOUT_SPECS}
+    for i, name in enumerate(ATTN_LAYOUTS):
+        c = Case(*specs[name], dev=dev, smoke=args.smoke, seed=i)
+        q, k, v = (t.requires_grad_() for t in (c.q, c.k, c.v))
+        go = torch.randn_like(c.q)
+        cu, m, lens, causal = c.cu, c.max_len, c.lens, c.causal
+        rt = Runtime(dev)
+        row = {"lengths": lens, "tokens": c.total, "hq": c.hq, "hkv": c.hkv, "causal": causal}
 
         def ours():
             out = rc.ragged_attention(q, k, v, cu, causal=causal)
             return torch.autograd.grad(out, (q, k, v), go)
 
+        def fresh_step():
+            with rt.step():
+                return ours()
+
+        def forward_only():
+            with torch.no_grad(), rt.step():
+                return rc.ragged_attention(q, k, v, cu, causal=causal)
+
         def run(label, fn, check=None):
             try:
-                r = time_ms(fn, args.reps)
+                row[label] = timed(fn, dev, args.reps, warmup=3)
                 if check is not None:
-                    r["max_abs_diff_vs_ours"] = check
-                row[label] = r
+                    row[label]["max_abs_diff_vs_ours"] = check
             except Exception as e:  # noqa: BLE001 - record, keep going
                 row[label] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
 
@@ -137,32 +111,41 @@ def bench_attention(args) -> dict:
             ours()  # plan once: the per-layer cost in a model
             run("ours", ours)
             ref = ours()
-        with rt.step(), _backward("fa2"):
+        if args.smoke:  # ours' gradients against the float64 oracle
+            want = dense_gradients(go, q, k, v, c.cu_host, c.cu_host, causal, c.scale)[1:]
+            row["ours_grad_max_abs_diff_vs_float64"] = max(
+                float((a.double().cpu() - b).abs().max()) for a, b in zip(ref, want)
+            )
+        with rt.step(), backward("fa2"):
             ours()
             run("ours_fa2", ours)
-        run("ours_plan", lambda: _fresh_step(rt, ours))
-        run("ours_fwd", lambda: _no_grad_step(rt, q, k, v, cu, causal))
-
-        varlen_attn, kw, expand = _varlen_kwargs(causal, hq != hkv)
-        grp = hq // hkv
-
-        def varlen():
-            kk, vv = (k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1)) if expand else (k, v)
-            out = varlen_attn(q, kk, vv, cu, cu, m, m, **kw)
-            return torch.autograd.grad(out, (q, k, v), go)
+        run("ours_plan", fresh_step)
+        run("ours_fwd", forward_only)
 
         try:
-            diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(varlen(), ref))
-        except Exception:  # noqa: BLE001
-            diff = None
-        run("varlen_attn", varlen, diff)
-        if expand:
-            row["varlen_attn"]["note"] = "no enable_gqa in this torch: k/v expanded (timed)"
-        if hq == hkv:
+            varlen_attn, kw, expand = varlen_kwargs(causal, c.hq != c.hkv)
+        except Exception as e:  # noqa: BLE001 - no varlen_attn in this torch
+            row["varlen_attn"] = {"error": f"{type(e).__name__}: {e}"}
+        else:
+            grp = c.hq // c.hkv
+
+            def varlen():
+                kk, vv = (k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1)) if expand else (k, v)
+                out = varlen_attn(q, kk, vv, cu, cu, m, m, **kw)
+                return torch.autograd.grad(out, (q, k, v), go)
+
+            try:
+                diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(varlen(), ref))
+            except Exception:  # noqa: BLE001 - the timed run records the error
+                diff = None
+            run("varlen_attn", varlen, diff)
+            if expand and "ms" in row["varlen_attn"]:
+                row["varlen_attn"]["note"] = "no enable_gqa in this torch: k/v expanded (timed)"
+        if c.hq == c.hkv:
             off = cu.long()
 
             def njt():
-                nts = [torch.nested.nested_tensor_from_jagged(x, off, min_seqlen=min(lens), max_seqlen=m) for x in (q, k, v)]
+                nts = [torch.nested.nested_tensor_from_jagged(t, off, min_seqlen=c.min_len, max_seqlen=m) for t in (q, k, v)]
                 out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in nts), is_causal=causal)
                 return torch.autograd.grad(out.transpose(1, 2).values(), (q, k, v), go)
 
@@ -172,147 +155,113 @@ def bench_attention(args) -> dict:
                 row[f"speedup_{label}_vs_varlen"] = row["varlen_attn"]["ms"] / row[label]["ms"]
         res[name] = row
         print(name, json.dumps({k: (v if not isinstance(v, dict) else v.get("ms", v)) for k, v in row.items() if k != "lengths"}), flush=True)
-        del q, k, v, go
-        torch.cuda.empty_cache()
+        del c, q, k, v, go, ref
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     return res
-
-
-@contextlib.contextmanager
-def _backward(kernel: str):
-    """Force the op's CUDA backward (train_ops.backward_kernel reads this per call)."""
-    old = os.environ.get("RAGGED_COMPILE_BACKWARD")
-    os.environ["RAGGED_COMPILE_BACKWARD"] = kernel
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["RAGGED_COMPILE_BACKWARD"]
-        else:
-            os.environ["RAGGED_COMPILE_BACKWARD"] = old
-
-
-def _fresh_step(rt, fn):
-    with rt.step():
-        return fn()
-
-
-def _no_grad_step(rt, q, k, v, cu, causal):
-    with torch.no_grad(), rt.step():
-        return rc.ragged_attention(q, k, v, cu, causal=causal)
 
 
 # -------------------------------------------------------------------------- end to end
-class Block(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-
-class Encoder(nn.Module):
-    """Pre-norm encoder; NJT input [B, j, d] (SDPA) or packed [T, d] with an attention fn."""
-
-    def __init__(self, d: int, heads: int, layers: int, attention=None):
-        super().__init__()
-        self.heads, self.head_dim, self.attention = heads, d // heads, attention
-        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
-
-    def forward(self, x):
-        H, Dh = self.heads, self.head_dim
-        for b in self.blocks:
-            h = b.ln1(x)
-            if self.attention is None:
-                q, k, v = (p(h).unflatten(-1, [H, Dh]).transpose(1, 2) for p in (b.q, b.k, b.v))
-                a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(-2)
-            else:
-                q, k, v = (p(h).unflatten(-1, (H, Dh)) for p in (b.q, b.k, b.v))
-                a = self.attention(q, k, v).flatten(-2)
-            x = x + b.o(a)
-            x = x + b.fc2(F.gelu(b.fc1(b.ln2(x))))
-        return x
-
-
-def bench_e2e(args) -> dict:
-    lens = lengths("mixed", args.smoke)
-    d, heads, layers = (256, 4, 2) if args.smoke else (2048, 16, 8)
-    T = sum(lens)
-    cu = _cu(lens)
-    m = max(lens)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(T, d, device=DEV, generator=g).to(DT)
-    target = torch.randn(T, d, device=DEV, generator=g).to(DT)
+def e2e_setup(dev, smoke: bool) -> SimpleNamespace:
+    """The training step's model (NJT form; ``varlen`` is its packed attention) and inputs."""
+    lens = list(lengths_for("mixed", smoke))
+    d, heads, layers = (256, 4, 2) if smoke else (2048, 16, 8)
+    T, m = sum(lens), max(lens)
+    cu = cu_seqlens(lens, dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(T, d, device=dev, generator=g).to(DTYPE)
+    target = torch.randn(T, d, device=dev, generator=g).to(DTYPE)
     x_njt = torch.nested.nested_tensor_from_jagged(x, cu.long(), min_seqlen=min(lens), max_seqlen=m)
     torch.manual_seed(0)
-    base = Encoder(d, heads, layers).to(DEV, DT)
-    varlen_attn, kw, _ = _varlen_kwargs(False, False)
+    model = Encoder(d, heads, layers).to(dev, DTYPE)
+    varlen_attn, kw, _ = varlen_kwargs(False, False)
 
-    def packed_attention(q, k, v):
+    def varlen(q, k, v, cu):
         return varlen_attn(q, k, v, cu, cu, m, m, **kw)
 
-    impls = {
-        "ours": lambda mdl: (rc.compile(mdl), x_njt, lambda out: out.values()),
-        "ours_fa2": lambda mdl: (rc.compile(mdl), x_njt, lambda out: out.values()),
-        "njt_sdpa_compiled": lambda mdl: (torch.compile(mdl), x_njt, lambda out: out.values()),
-        "varlen_compiled": lambda mdl: (torch.compile(_with_attention(mdl, packed_attention)), x, lambda out: out),
-    }
-    res = {"lengths": lens, "tokens": T, "d": d, "heads": heads, "layers": layers}
-    for name, make in impls.items():
-        if args.only_impl and name not in args.only_impl:
-            continue
-        try:
-            ctx = _backward("fa2") if name == "ours_fa2" else contextlib.nullcontext()
-            ctx.__enter__()
-            mdl = copy.deepcopy(base)
-            fn, inp, values = make(mdl)
-            opt = torch.optim.AdamW(mdl.parameters(), lr=1e-5)
-
-            def step():
-                return train_step(opt, fn, inp, values, target)
-
-            t0 = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            first = time.perf_counter() - t0
-            torch.cuda.reset_peak_memory_stats()
-            base_mem = torch.cuda.memory_allocated()
-            r = time_ms(step, args.e2e_reps, warmup=2)
-            r["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            r["peak_over_resident_gib"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
-            r["first_step_s"] = first
-            r["tokens_per_s"] = T / (r["ms"] / 1e3)
-            res[name] = r
-            del mdl, opt, fn
-        except Exception as e:  # noqa: BLE001
-            res[name] = {"error": f"{type(e).__name__}: {str(e)[:600]}", "trace": traceback.format_exc()[-1500:]}
-        finally:
-            ctx.__exit__(None, None, None)
-        torch.cuda.empty_cache()
-        print(name, json.dumps({k: v for k, v in res[name].items() if k != "trace"}), flush=True)
-    for other in ("njt_sdpa_compiled", "varlen_compiled"):
-        if "ms" in res.get("ours", {}) and "ms" in res.get(other, {}):
-            res[f"speedup_vs_{other}"] = res[other]["ms"] / res["ours"]["ms"]
-            res[f"peak_mem_ratio_vs_{other}"] = res["ours"]["peak_mem_gib"] / res[other]["peak_mem_gib"]
-    return res
+    return SimpleNamespace(lens=lens, tokens=T, d=d, heads=heads, layers=layers, cu=cu, x=x,
+                           x_njt=x_njt, target=target, model=model, varlen=varlen)
 
 
-def train_step(opt, fn, inp, values, target) -> torch.Tensor:
-    """One step of the e2e benchmark: forward, MSE loss in fp32, backward, AdamW."""
+def e2e_variant(name: str, mdl: Encoder, s: SimpleNamespace):
+    """(compiled model, its inputs) of a training variant; ``*_fa2`` differ only in
+    the backward forced around them."""
+    njt, packed = (s.x_njt,), (s.x, s.cu)
+    return {
+        "ours": lambda: (rc.compile(mdl), njt),
+        "ours_fa2": lambda: (rc.compile(mdl), njt),
+        "ours_static": lambda: (rc.compile(mdl, dynamic=False), njt),
+        "ours_varlen": lambda: (rc.compile(mdl.with_attention(s.varlen)), packed),
+        "njt_sdpa_compiled": lambda: (torch.compile(mdl), njt),
+        "varlen_compiled": lambda: (torch.compile(mdl.with_attention(s.varlen)), packed),
+    }[name]()
+
+
+def loss_of(fn, inp, target) -> torch.Tensor:
+    """MSE loss in fp32 of the model's per-token output."""
+    return (values(fn(*inp)).float() - target.float()).square().mean()
+
+
+def train_step(opt, fn, inp, target) -> torch.Tensor:
+    """One step of the e2e benchmark: forward, loss, backward, AdamW."""
     opt.zero_grad(set_to_none=True)
-    loss = (values(fn(inp)).float() - target.float()).square().mean()
+    loss = loss_of(fn, inp, target)
     loss.backward()
     opt.step()
     return loss
 
 
-def _with_attention(mdl: Encoder, attention) -> Encoder:
-    mdl.attention = attention
-    return mdl
+E2E_VARIANTS = ("ours", "ours_fa2", "njt_sdpa_compiled", "varlen_compiled")
+
+
+def bench_e2e(args, dev) -> dict:
+    s = e2e_setup(dev, args.smoke)
+    cuda = dev.type == "cuda"
+    res = {"lengths": s.lens, "tokens": s.tokens, "d": s.d, "heads": s.heads, "layers": s.layers}
+    for name in E2E_VARIANTS:
+        if args.only_impl and name not in args.only_impl:
+            continue
+        try:
+            with backward("fa2" if name == "ours_fa2" else None):
+                mdl = copy.deepcopy(s.model)
+                fn, inp = e2e_variant(name, mdl, s)
+                opt = torch.optim.AdamW(mdl.parameters(), lr=1e-5)
+
+                def step():
+                    return train_step(opt, fn, inp, s.target)
+
+                t0 = time.perf_counter()
+                step()
+                sync(dev)
+                first = time.perf_counter() - t0
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                    base_mem = torch.cuda.memory_allocated()
+                r = timed(step, dev, args.e2e_reps, warmup=2)
+                if cuda:
+                    r["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                    r["peak_over_resident_gib"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+                r["first_step_s"] = first
+                r["tokens_per_s"] = s.tokens / (r["ms"] / 1e3)
+                res[name] = r
+                del mdl, opt, fn
+        except Exception as e:  # noqa: BLE001
+            res[name] = {"error": f"{type(e).__name__}: {str(e)[:600]}", "trace": traceback.format_exc()[-1500:]}
+        if cuda:
+            torch.cuda.empty_cache()
+        print(name, json.dumps({k: v for k, v in res[name].items() if k != "trace"}), flush=True)
+    for other in ("njt_sdpa_compiled", "varlen_compiled"):
+        if "ms" in res.get("ours", {}) and "ms" in res.get(other, {}):
+            res[f"speedup_vs_{other}"] = res[other]["ms"] / res["ours"]["ms"]
+            if "peak_mem_gib" in res["ours"]:
+                res[f"peak_mem_ratio_vs_{other}"] = res["ours"]["peak_mem_gib"] / res[other]["peak_mem_gib"]
+    return res
 
 
 def render(results: dict) -> str:
-    lines = [f"# Training benchmark ({results['env'].get('gpu')}, torch {results['env']['torch']}, "
-             f"flashinfer {results['env'].get('flashinfer')}, bf16)", ""]
+    env = results["env"]
+    lines = [f"# Training benchmark ({env.get('gpu') or 'cpu'}, torch {env['torch']}, "
+             f"flashinfer {env.get('flashinfer')}, bf16)", ""]
     if "attn" in results:
         lines += ["## Attention forward+backward (ms, median)", "",
                   "| layout | ours | ours, FA2 backward | ours (plan per call) | ours fwd only | varlen_attn | NJT SDPA | ours vs varlen |",
@@ -320,9 +269,8 @@ def render(results: dict) -> str:
         for name, row in results["attn"].items():
             def c(key):
                 r = row.get(key)
-                if r is None:
-                    return "-"
-                return f"{r['ms']:.2f}" if "ms" in r else "error"
+                return "-" if r is None else f"{r['ms']:.2f}" if "ms" in r else "error"
+
             sp = row.get("speedup_ours_vs_varlen")
             lines.append(f"| {name} ({row['tokens']} tok, {row['hq']}/{row['hkv']} heads) | {c('ours')} | {c('ours_fa2')} | {c('ours_plan')} | "
                          f"{c('ours_fwd')} | {c('varlen_attn')} | {c('njt_sdpa')} | {f'{sp:.2f}x' if sp else '-'} |")
@@ -331,10 +279,11 @@ def render(results: dict) -> str:
         e = results["e2e"]
         lines += [f"## {e['layers']}-layer d={e['d']} encoder training step, {e['tokens']} tokens (forward, backward, AdamW)", "",
                   "| implementation | ms/step | tokens/s | peak GiB | first step s |", "|---|---|---|---|---|"]
-        for name in ("ours", "ours_fa2", "njt_sdpa_compiled", "varlen_compiled"):
+        for name in E2E_VARIANTS:
             r = e.get(name, {})
             if "ms" in r:
-                lines.append(f"| {name} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {r['peak_mem_gib']:.2f} | {r['first_step_s']:.1f} |")
+                peak = f"{r['peak_mem_gib']:.2f}" if "peak_mem_gib" in r else "-"
+                lines.append(f"| {name} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {peak} | {r['first_step_s']:.1f} |")
             elif r:
                 lines.append(f"| {name} | error: {r['error'][:120]} | | | |")
         for k, v in e.items():
@@ -352,12 +301,15 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--e2e-reps", type=int, default=10)
     args = p.parse_args()
+    if args.smoke:
+        args.reps, args.e2e_reps = min(args.reps, 3), min(args.e2e_reps, 2)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     results = {"env": environment()}
     if args.only in (None, "attn"):
-        results["attn"] = bench_attention(args)
+        results["attn"] = bench_attention(args, dev)
     if args.only in (None, "e2e"):
-        results["e2e"] = bench_e2e(args)
+        results["e2e"] = bench_e2e(args, dev)
     os.makedirs(args.out, exist_ok=True)
     suffix = "" if args.only is None else f"-{args.only}"
     with open(os.path.join(args.out, f"train{suffix}.json"), "w") as f:

@@ -14,11 +14,13 @@ from collections import Counter
 
 import torch
 
+from timing import sync
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-# ragged_compile is imported defensively: if it fails to import on the GPU
-# machine's torch, the baselines are still measured and every row of ours says why.
+# ragged_compile is imported defensively: if it fails to import (another torch, a
+# broken build), the baselines are still measured and every row of ours says why.
 try:
     import ragged_compile as rc
 
@@ -38,19 +40,12 @@ except Exception:  # noqa: BLE001 - the oracle only needs torch: load the file i
     _spec.loader.exec_module(_ref)
     dense_attention, reference_attention = _ref.dense_attention, _ref.reference_attention
 
-try:
-    from env import environment  # bench/env.py
-except Exception as _e:  # noqa: BLE001
-
-    def environment(_err=repr(_e)) -> dict:
-        return {"torch": torch.__version__, "env_py": f"unavailable: {_err}"}
-
 
 DTYPE = torch.bfloat16
 TOL = 2e-2  # max abs diff vs the float32 reference that still counts as correct (bf16)
 E2E_REL_TOL = 5e-2  # e2e: max abs diff / max abs value vs ours_packed_eager
 T_START = time.perf_counter()
-# Known not to run on CPU (NOTES): tried anyway in --smoke to exercise the plumbing.
+# Known not to run on CPU: tried anyway in --smoke to exercise the plumbing.
 CPU_EXPECTED_FAILURES = {
     "varlen_attn": "CUDA only: varlen_attn has no CPU kernel",
     "njt_sdpa_compiled": "NJT SDPA cannot be compiled on CPU (MATH path, no fake kernel)",
@@ -103,6 +98,30 @@ class Budget:
     def check(self, need: float = 15.0) -> None:
         if self.left() < need:
             raise Skip(f"time budget exhausted ({self.seconds:.0f} s, --time-budget-s)")
+
+
+@contextlib.contextmanager
+def recorded(rec: dict, name: str, dev):
+    """Run one measurement into ``rec``: a Skip or an error becomes its status (a
+    failure known on CPU a skip), and its wall time and whether CUDA still works
+    afterwards are recorded. Nothing raised inside gets out."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    except Skip as s:
+        rec["status"], rec["reason"] = s.status, str(s)
+    except Exception as e:  # noqa: BLE001
+        if dev.type != "cuda" and name in CPU_EXPECTED_FAILURES:
+            rec["status"] = "skipped"
+            rec["reason"] = f"{CPU_EXPECTED_FAILURES[name]} (tried on CPU: {err_str(e, 200)})"
+        else:
+            rec.update(status="error", error=err_str(e), traceback=tb_tail())
+    finally:
+        rec["wall_s"] = time.perf_counter() - t0
+        try:
+            sync(dev)
+        except Exception as e:  # noqa: BLE001 - a poisoned CUDA context: say so
+            rec["cuda_error_after"] = err_str(e)
 
 
 def has_kwarg(fn, name: str) -> bool:
@@ -166,15 +185,10 @@ def stats_delta(after: Counter, before: Counter) -> dict:
 
 def auto_backend(dev: torch.device, n: int, total_k: int, **heads) -> str:
     """What ragged_compile's backend="auto" picks for a layout (its own rule if importable);
-    ``heads``: hq, hkv, head_dim, causal, as choose_backend takes them."""
-    try:
-        from ragged_compile.backends.flashinfer import choose_backend
+    ``heads``: hq, hkv, head_dim, causal, as select.flashinfer_backend takes them."""
+    from ragged_compile.backends.select import flashinfer_backend
 
-        return choose_backend("auto", dev, n, total_k, **heads)
-    except Exception as e:  # noqa: BLE001 - the rule as of 0.1.0, said out loud
-        log(f"choose_backend unusable here ({err_str(e, 200)}): assuming the 0.1.0 rule")
-        sm90 = torch.cuda.get_device_capability(dev) == (9, 0)
-        return "fa3" if sm90 and total_k / max(n, 1) >= 256 else "fa2"
+    return flashinfer_backend("auto", dev, n, total_k, **heads)
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

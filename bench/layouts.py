@@ -1,5 +1,6 @@
-"""The layout classes the per-op benchmark compares implementations on, and one
-layout's tensors on the device (:class:`Case`)."""
+"""The layouts every benchmark here runs on: the layout classes of the per-op
+table (also the training benchmark's), random lengths, offsets, and one layout's
+tensors on the device (:class:`Case`)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,24 @@ LAYOUT_SPECS = [
 ]
 
 
+def random_lengths(n: int, lo: int, hi: int, gen, total: int | None = None) -> list[int]:
+    """``n`` lengths in ``lo..hi`` from ``gen`` (a seed or a generator); with ``total``,
+    rescaled to about that many tokens (every step then fits one bucket)."""
+    if isinstance(gen, int):
+        gen = torch.Generator().manual_seed(gen)
+    lens = torch.randint(lo, hi + 1, (n,), generator=gen)
+    if total is not None:
+        lens = (lens.double() * total / lens.sum()).floor().long().clamp(min=1)
+    return lens.tolist()
+
+
+def cu_seqlens(lens, device=None) -> torch.Tensor:
+    """int32 offsets ``[n + 1]`` of segments with lengths ``lens``."""
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.as_tensor(lens, dtype=torch.int64), 0)
+    return cu if device is None else cu.to(device)
+
+
 @functools.cache
 def lengths_for(kind: str, smoke: bool) -> tuple[int, ...]:
     if kind == "mixed":
@@ -43,13 +62,9 @@ def lengths_for(kind: str, smoke: bool) -> tuple[int, ...]:
                 return tuple(int(x) for x in lens)
         raise RuntimeError("no seed gave a mixed layout in range")
     if kind == "short":
-        n, lo, hi = (12, 2, 16) if smoke else (250, 16, 256)
-        g = torch.Generator().manual_seed(2)
-        return tuple(int(x) for x in torch.randint(lo, hi + 1, (n,), generator=g))
+        return tuple(random_lengths(*((12, 2, 16) if smoke else (250, 16, 256)), gen=2))
     if kind == "mid":
-        n, lo, hi = (4, 16, 48) if smoke else (50, 256, 1024)
-        g = torch.Generator().manual_seed(3)
-        return tuple(int(x) for x in torch.randint(lo, hi + 1, (n,), generator=g))
+        return tuple(random_lengths(*((4, 16, 48) if smoke else (50, 256, 1024)), gen=3))
     if kind == "long":
         return (96, 96) if smoke else (8192,) * 4
     raise ValueError(kind)
@@ -76,10 +91,8 @@ class Case:
         self.total = sum(self.lens)
         self.max_len, self.min_len = max(self.lens), min(self.lens)
         self.scale = d**-0.5
-        cu = torch.zeros(self.n + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(self.lens, dtype=torch.int64), 0)
-        self.cu_host = cu
-        self.cu = cu.to(dev)  # int32 offsets on the device
+        self.cu_host = cu_seqlens(self.lens)
+        self.cu = self.cu_host.to(dev)  # int32 offsets on the device
         self.cu64 = self.cu.long()
         g = torch.Generator(device=dev).manual_seed(seed)
         self.q = torch.randn(self.total, hq, d, device=dev, generator=g, dtype=torch.float32).to(DTYPE)

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import datetime
 import math
-import platform
-import subprocess
 import sys
 
-import torch
-
-from harness import RC_IMPORT_ERROR, ROOT, environment, err_str, rc
+from env import environment
+from harness import err_str
 from variants import IMPL_NAMES
+
 
 def fmt_rec(name, rec) -> str:
     st = rec.get("status")
@@ -64,39 +62,13 @@ def summarize_layout(impls: dict) -> dict:
 
 
 def section_meta(args, dev) -> dict:
-    meta = {
+    return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "environment": environment(),
         "device": str(dev),
-        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
-        "capability": list(torch.cuda.get_device_capability(dev)) if dev.type == "cuda" else None,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "ragged_compile": getattr(rc, "__version__", None) if rc is not None else f"import failed: {RC_IMPORT_ERROR}",
         "smoke": bool(args.smoke),
         "argv": sys.argv[1:],
+        **environment(),
     }
-    try:
-        import flashinfer
-
-        meta["flashinfer"] = flashinfer.__version__
-    except Exception as e:  # noqa: BLE001
-        meta["flashinfer"] = f"unavailable: {err_str(e, 200)}"
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except Exception:  # noqa: BLE001
-        meta["triton"] = None
-    try:
-        meta["git_commit"] = (
-            subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5)
-            .stdout.strip()
-            or None
-        )
-    except Exception:  # noqa: BLE001
-        meta["git_commit"] = None
-    return meta
 
 
 def _one_line(msg: str, limit: int = 300) -> str:

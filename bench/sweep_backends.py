@@ -7,7 +7,7 @@ head dim) both kernels run through our own backend module (head-dim padding and
 the causal split included, exactly what the op runs), interleaved in blocks so
 clock drift hits both alike. Records the median kernel time per call, the host
 time of one plan, and the layout's features, to DIR/sweep_backends.json.
-``choose_backend`` in ragged_compile/backends/flashinfer.py is fitted on it.
+``flashinfer_backend`` in ragged_compile/backends/select.py is fitted on it.
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ import time
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT.parent))
-from env import environment  # noqa: E402
-
-from ragged_compile.backends import flashinfer as fi  # noqa: E402
+from env import environment
+from layouts import cu_seqlens, random_lengths
+from ragged_compile.backends import flashinfer as fi
+from timing import host_ms, interleaved, mean_ms
 
 # name, segments, min len, max len
 SHAPES = [
@@ -45,43 +43,15 @@ SHAPES = [
 HEADS = [(16, 16, 128), (32, 8, 128), (8, 1, 128), (16, 16, 64), (32, 32, 64)]
 
 
-def lengths(n, lo, hi, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(lo, hi + 1, (n,), generator=g)
-
-
-def time_blocks(fns, blocks=4, reps=20):
-    """Median over interleaved blocks of per-call CUDA time, one list per fn."""
-    out = [[] for _ in fns]
-    for _ in range(blocks):
-        for i, f in enumerate(fns):
-            f()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(reps):
-                f()
-            e.record()
-            torch.cuda.synchronize()
-            out[i].append(s.elapsed_time(e) / reps)
-    return [statistics.median(x) for x in out]
-
-
-def plan_ms(wrapper, cu, hq, hkv, d, dtype, causal, scale, reps=5):
-    ts = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fi.plan(wrapper, cu, cu, hq, hkv, d, dtype, causal, scale)
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--budget-s", type=float, default=330.0)
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA; nothing to measure here")
+        return 0
     t_start = time.perf_counter()
     dev = torch.device("cuda")
     dtype = torch.bfloat16
@@ -91,9 +61,8 @@ def main(argv=None):
     heads = HEADS[:2] if args.quick else HEADS
     for hq, hkv, d in heads:
         for name, n, lo, hi in SHAPES:
-            lens = lengths(n, lo, hi, seed=sum(map(ord, name)))
-            cu = torch.zeros(n + 1, dtype=torch.int32)
-            cu[1:] = torch.cumsum(lens, 0)
+            lens = random_lengths(n, lo, hi, sum(map(ord, name)))
+            cu = cu_seqlens(lens)
             T = int(cu[-1])
             q = torch.randn(T, hq, d, device=dev, dtype=dtype)
             k = torch.randn(T, hkv, d, device=dev, dtype=dtype)
@@ -104,19 +73,19 @@ def main(argv=None):
                 scale = d**-0.5
                 rec = {
                     "layout": name, "n": n, "total": T, "mean": T / n,
-                    "max": int(lens.max()), "hq": hq, "hkv": hkv, "d": d, "causal": causal,
+                    "max": max(lens), "hq": hq, "hkv": hkv, "d": d, "causal": causal,
                 }
                 try:
-                    fns, outs = [], {}
+                    outs = {}
                     for b, w in wrappers.items():
-                        rec[f"plan_{b}_ms"] = plan_ms(w, cu, hq, hkv, d, dtype, causal, scale)
+                        rec[f"plan_{b}_ms"] = host_ms(lambda w=w: fi.plan(w, cu, cu, hq, hkv, d, dtype, causal, scale), dev, 5)
                         outs[b] = fi.run(w, q, k, v)
                     diff = (outs["fa2"].float() - outs["fa3"].float()).abs().max().item()
                     rec["fa2_vs_fa3_maxdiff"] = diff
-                    for b, w in wrappers.items():
-                        # the wrappers hold their last plan: re-plan is not needed per run
-                        fns.append(lambda w=w: fi.run(w, q, k, v))
-                    t2, t3 = time_blocks(fns)
+                    # the wrappers hold their last plan: re-plan is not needed per run
+                    fns = {b: (lambda w=w: fi.run(w, q, k, v)) for b, w in wrappers.items()}
+                    blocks = interleaved(fns, 4, lambda f: mean_ms(f, dev, 20)[0])
+                    t2, t3 = (statistics.median(blocks[b]) for b in ("fa2", "fa3"))
                     rec.update(fa2_ms=t2, fa3_ms=t3, fa3_over_fa2=t3 / t2)
                 except Exception as e:  # noqa: BLE001 - record and go on
                     rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"

@@ -1,11 +1,15 @@
 """How every benchmark in bench/ times things: one module, so numbers from
 different scripts mean the same.
 
-* :func:`time_fn`: one callable, back to back (per-op rows, GEMM sweeps).
+* :func:`time_fn`: one callable, back to back (per-op rows, training steps).
+* :func:`mean_ms`: CUDA-event time of ``reps`` calls back to back, per call.
+* :func:`interleaved`: several callables measured in rotating rounds, so drift
+  (clocks, heat, a neighbour's load) hits all alike.
 * :func:`time_steps`: a sequence of different steps, back to back (graph mode:
   wall, host and GPU ms per step).
 * :func:`gpu_queued_ms`: GPU time of one step with the host out of the way.
-* :func:`host_ms`: host wall time of a call (planning costs).
+* :func:`call_ms` / :func:`host_ms`: host wall time of each call (whole
+  forwards synced; planning costs).
 * :func:`kernel_times`: torch.profiler CUDA time per kernel name per step.
 """
 
@@ -59,15 +63,7 @@ def time_fn(fn, dev: torch.device | str = "cuda", *, warmup: int = 1, min_reps: 
             ends[i].record()
         torch.cuda.synchronize(dev)
         times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        s.record()
-        for _ in range(reps):
-            fn()
-        e.record()
-        sync(dev)
-        wall = (time.perf_counter() - t0) / reps * 1e3
-        mean = s.elapsed_time(e) / reps
+        mean, wall = mean_ms(fn, dev, reps, warmup=0)
         method = "cuda_events_back_to_back"
     else:
         times = []
@@ -90,17 +86,51 @@ def time_fn(fn, dev: torch.device | str = "cuda", *, warmup: int = 1, min_reps: 
     }
 
 
-def host_ms(fn, dev, reps: int, between=None) -> float:
-    """Median host wall time of ``fn()`` (synced before, not after, unless ``between`` syncs)."""
+def mean_ms(fn, dev, reps: int, warmup: int = 1) -> tuple[float, float]:
+    """(CUDA-event ms, host wall ms) per call of ``reps`` calls of ``fn()`` back to back."""
+    for _ in range(warmup):
+        fn()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    sync(dev)
+    t0 = time.perf_counter()
+    s.record()
+    for _ in range(reps):
+        fn()
+    e.record()
+    sync(dev)
+    return s.elapsed_time(e) / reps, (time.perf_counter() - t0) / reps * 1e3
+
+
+def interleaved(fns: dict, rounds: int, measure) -> dict:
+    """``measure(fn)`` of every value of ``fns`` in ``rounds`` rounds, the order
+    rotating by one each round; the list of measurements per key."""
+    names, out = list(fns), {k: [] for k in fns}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            out[name].append(measure(fns[name]))
+    return out
+
+
+def call_ms(fn, dev, reps: int, *, synced: bool = True, warmup: int = 0) -> list[float]:
+    """Host wall ms of each of ``reps`` calls of ``fn()``, synced before each; with
+    ``synced`` the sync after the call is timed too (a whole forward's latency)."""
+    for _ in range(warmup):
+        fn()
     ts = []
     for _ in range(reps):
         sync(dev)
         t0 = time.perf_counter()
         fn()
+        if synced:
+            sync(dev)
         ts.append((time.perf_counter() - t0) * 1e3)
-        if between is not None:
-            between()
-    return median(ts)
+    sync(dev)
+    return ts
+
+
+def host_ms(fn, dev, reps: int) -> float:
+    """Median host wall time of ``fn()`` until it returns (synced before, untimed after)."""
+    return median(call_ms(fn, dev, reps, synced=False))
 
 
 def time_steps(steps) -> dict:

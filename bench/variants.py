@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from harness import DTYPE, Skip, Unsupported, auto_backend, err_str, has_kwarg, need_rc, rc
 from layouts import Case
-from timing import host_ms, median, sync, time_fn
+from timing import host_ms, interleaved, median, sync, time_fn
 
 class Prepared:
     def __init__(self, fn, to_out=lambda r: r, extra=None, stats=None, note=None):
@@ -115,9 +115,22 @@ def impl_ours(c: Case, sh: Shared, stack, backend="auto", compiled=False) -> Pre
     sync(c.dev)
     extra["backend_used"] = getattr(rt, "last_backend", None)
     if extra["backend_used"] is None and c.dev.type == "cuda":
-        extra["backend_used"] = backend if backend != "auto" else auto_backend(c.dev, c.n, c.total)
+        extra["backend_used"] = backend if backend != "auto" else auto_backend(
+            c.dev, c.n, c.total, hq=c.hq, hkv=c.hkv, head_dim=c.d, causal=c.causal
+        )
     extra["runtime_backend"] = backend
     return Prepared(f, extra=extra, stats=lambda: Counter(rt.stats))
+
+
+def flashinfer_wrapper(workspace, backend: str, causal: bool, scale: float):
+    """FlashInfer's ragged prefill wrapper, run directly, and its plan's keyword arguments."""
+    import flashinfer
+
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout="NHD", backend=backend)
+    kw = dict(causal=causal, sm_scale=scale, q_data_type=DTYPE, kv_data_type=DTYPE)
+    if has_kwarg(w.plan, "o_data_type"):
+        kw["o_data_type"] = DTYPE
+    return w, kw
 
 
 def _fi_direct(c: Case, sh: Shared, backend: str):
@@ -126,15 +139,10 @@ def _fi_direct(c: Case, sh: Shared, backend: str):
         raise Skip("CUDA only")
     if backend == "fa3" and torch.cuda.get_device_capability(c.dev) != (9, 0):
         raise Unsupported("fa3 needs SM90")
-    import flashinfer
-
     dp = next((x for x in (64, 128, 256) if x >= c.d), None)
     if dp is None:
         raise Unsupported(f"head_dim {c.d} > 256")
-    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(sh.workspace(backend), kv_layout="NHD", backend=backend)
-    kw = dict(causal=c.causal, sm_scale=c.scale, q_data_type=DTYPE, kv_data_type=DTYPE)
-    if has_kwarg(w.plan, "o_data_type"):
-        kw["o_data_type"] = DTYPE
+    w, kw = flashinfer_wrapper(sh.workspace(backend), backend, c.causal, c.scale)
 
     def plan():
         w.plan(c.cu_host, c.cu_host, c.hq, c.hkv, dp, **kw)
@@ -142,8 +150,8 @@ def _fi_direct(c: Case, sh: Shared, backend: str):
     q, k, v = c.q, c.k, c.v
     note = None
     if dp != c.d:
-        # FlashInfer fa2 is silently wrong for head dims like 72 and fa3 lacks them
-        # (NOTES / flashinfer issue 4299): zero-pad by hand, true scale, slice back.
+        # FlashInfer fa2 is silently wrong for head dims like 72 and fa3 lacks them:
+        # zero-pad by hand, true scale, slice back.
         note = f"head_dim {c.d} zero-padded to {dp} inside the timed call (as ours does)"
         pad = (0, dp - c.d)
         f = lambda: w.run(F.pad(q, pad), F.pad(k, pad), F.pad(v, pad))[..., : c.d]  # noqa: E731
@@ -156,7 +164,7 @@ def impl_flashinfer(c: Case, sh: Shared, stack, backend: str) -> Prepared:
     f, plan, note = _fi_direct(c, sh, backend)
     plan()
     sync(c.dev)
-    extra = {"plan_ms": host_ms(plan, c.dev, 5, between=lambda: sync(c.dev))}
+    extra = {"plan_ms": host_ms(plan, c.dev, 5)}
     plan()
     sync(c.dev)
     return Prepared(f, extra=extra, note=note)
@@ -182,19 +190,15 @@ def paired_vs_flashinfer(c: Case, sh: Shared, backend: str, rounds: int = 6, rep
             continue
         runs[b] = f
         plans.append(plan)
-    blocks = {k: [] for k in runs}
-    names = list(runs)
     with rt.step(c.lens):
         for plan in plans:
             plan()
         for f in runs.values():
             f()
         sync(c.dev)
-        for r in range(rounds):
-            order = names[r % len(names):] + names[: r % len(names)]
-            for name in order:
-                t = time_fn(runs[name], c.dev, warmup=2, min_reps=reps, max_reps=reps, target_s=0)
-                blocks[name].append(t["ms"])
+        blocks = interleaved(
+            runs, rounds, lambda f: time_fn(f, c.dev, warmup=2, min_reps=reps, max_reps=reps, target_s=0)["ms"]
+        )
     ms = {k: median(v) for k, v in blocks.items()}
     fi = {b: ms[b] for b in ("fa2", "fa3") if b in ms}
     best = min(fi, key=fi.get)
@@ -217,39 +221,44 @@ def paired_vs_flashinfer(c: Case, sh: Shared, backend: str, rounds: int = 6, rep
     return out
 
 
-def impl_varlen(c: Case, sh: Shared, stack) -> Prepared:
+def varlen_kwargs(causal: bool, gqa: bool, scale: float | None = None, d: int | None = None):
+    """``varlen_attn`` and its keyword arguments for this torch: causal through
+    ``is_causal`` or ``window_size=(-1, 0)``, GQA through ``enable_gqa`` (else
+    ``expand``: k/v must be expanded by hand), ``scale`` where it has one."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except Exception as e:  # noqa: BLE001
         raise Unsupported(f"torch.nn.attention.varlen.varlen_attn not in torch {torch.__version__}: {err_str(e)}")
     params = inspect.signature(varlen_attn).parameters
     kw = {}
-    if "scale" in params:
-        kw["scale"] = c.scale
-    elif abs(c.scale - c.d**-0.5) > 1e-12:
+    if scale is not None and "scale" in params:
+        kw["scale"] = scale
+    elif scale is not None and abs(scale - d**-0.5) > 1e-12:
         raise Unsupported("varlen_attn has no scale argument")
-    if c.causal:
+    if causal:
         if "is_causal" in params:
             kw["is_causal"] = True
         elif "window_size" in params:
             kw["window_size"] = (-1, 0)
         else:
             raise Unsupported("varlen_attn has neither is_causal nor window_size")
-    if c.hq != c.hkv:
-        if "enable_gqa" in params:
-            kw["enable_gqa"] = True
-        else:
-            raise Unsupported(f"no GQA: varlen_attn of torch {torch.__version__} has no enable_gqa")
+    expand = gqa and "enable_gqa" not in params
+    if gqa and not expand:
+        kw["enable_gqa"] = True
+    return varlen_attn, kw, expand
+
+
+def impl_varlen(c: Case, sh: Shared, stack) -> Prepared:
+    varlen_attn, kw, expand = varlen_kwargs(c.causal, c.hq != c.hkv, c.scale, c.d)
+    if expand:
+        raise Unsupported(f"no GQA: varlen_attn of torch {torch.__version__} has no enable_gqa")
     q, k, v, cu, m = c.q, c.k, c.v, c.cu, c.max_len
     f = lambda: varlen_attn(q, k, v, cu, cu, m, m, **kw)  # noqa: E731
     return Prepared(f, to_out=lambda r: r[0] if isinstance(r, tuple) else r, extra={"kwargs": sorted(kw)})
 
 
 def _njt(c: Case, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    kw = {}
-    if has_kwarg(torch.nested.nested_tensor_from_jagged, "min_seqlen"):
-        kw = {"min_seqlen": c.min_len, "max_seqlen": c.max_len}
-    return torch.nested.nested_tensor_from_jagged(x, offsets, **kw)
+    return torch.nested.nested_tensor_from_jagged(x, offsets, min_seqlen=c.min_len, max_seqlen=c.max_len)
 
 
 def impl_njt(c: Case, sh: Shared, stack, compiled=False) -> Prepared:

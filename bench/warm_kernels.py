@@ -3,9 +3,9 @@
     python bench/warm_kernels.py fa2:128:bf16 fa3:128:bf16 fa2:64:fp16 ...
 
 FlashInfer JIT-compiles one module per (backend, head dim, dtype) on first use
-(~72 s for fa3, ~22 s for fa2 on the H200 machine), one after another. Here each
-module compiles in its own process, so a run that needs four pays about one.
-bench/gpu_session.sh carries the results back as .fiaot.
+(~72 s for fa3, ~22 s for fa2 on an H200 host), one after another, and caches
+it. Here each module compiles in its own process, so a run that needs four pays
+about one.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 CHILD = """
 import sys, torch
-sys.path.insert(0, '.')
 from ragged_compile.backends import flashinfer as fi
 backend, d, dt = sys.argv[1], int(sys.argv[2]), getattr(torch, sys.argv[3])
 ws = torch.empty(64 << 20, dtype=torch.uint8, device='cuda')

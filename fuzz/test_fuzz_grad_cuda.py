@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 
 import ragged_compile
-from ragged_compile import train_ops
+from ragged_compile.backends import select
 from ragged_compile.reference import dense_attention, dense_gradients
 from ragged_compile.testing import AttentionCase, Layout, attention_cases
 
@@ -119,7 +119,7 @@ def test_gradients_match_float64_autograd():
             _check(name, a, b, case.dtype, case)
         ran["examples"] += 1
         layout = (len(case.q_lengths), case.layout.total_q, case.layout.total_k)
-        ran["backward_" + train_ops.backward_kernel(q.device, q.dtype, q.shape[-1], layout)] += 1
+        ran["backward_" + select.backward_kernel(q.device, q.dtype, q.shape[-1], layout)] += 1
         ran[str(case.dtype)] += 1
         ran[f"d{case.head_dim}"] += 1
         ran[f"gqa{case.hq // case.hkv}"] += 1

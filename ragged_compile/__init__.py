@@ -8,7 +8,7 @@ from .runtime import Runtime
 from .validation import debug_checks, set_debug_checks
 
 __all__ = ["compile", "enable", "ragged_attention", "reference_attention", "Runtime", "debug_checks", "set_debug_checks"]
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 
 def __getattr__(name):

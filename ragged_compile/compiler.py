@@ -42,7 +42,6 @@ from .njt import _handler_uuid, enable, install
 
 __all__ = ["compile", "RaggedBackend"]
 
-log = logging.getLogger("ragged_compile")
 
 
 def compile(model: Callable | None = None, **torch_compile_kwargs: Any) -> Any:
@@ -190,7 +189,8 @@ def _call_context(args: tuple, kwargs: dict) -> contextlib.AbstractContextManage
 
 @contextlib.contextmanager
 def _cuda_step(njts: list[NestedTensor]):
-    from .runtime import current_step, get_runtime
+    from .runtime import get_runtime
+    from .steps import current_step
 
     runtime = get_runtime(njts[0].device)
     outer = current_step()
@@ -268,7 +268,7 @@ def _dynamic_layouts(njts: list[NestedTensor], unbacked: bool):
     * The token total (``values.size(0)``) stays *backed*, so a batch of one
       token and an empty batch compile one more graph each, once. Every activation's shape derives from it,
       and an unbacked total cost the 8-layer d=2048 training step 5% of its time
-      and 5.2 GiB of peak memory on the H200 (``bench/profile_train.py``:
+      and 5.2 GiB of peak memory on the H200 (``bench/profile/profile_train.py``:
       229.7 ms and 22.4 GiB over resident, against 217.9 ms and 17.2 GiB
       backed): Inductor's pointwise and layer-norm kernels got slower and its
       backward reused fewer buffers.

@@ -19,8 +19,9 @@
 A layout larger than every bucket runs eagerly under ``runtime.step`` with the
 host lengths, so it costs no sync and is still correct.
 
-The traps this avoids (shared/NOTES.md): a graph keyed on total tokens with
-frozen offsets (every replay is re-planned); the first plan latching the row
+The traps this avoids (seen in serving runtimes: a graph keyed on total tokens
+with frozen offsets computes the wrong attention for another layout of the same
+total, sglang PR 16902): every replay is re-planned; the first plan latching the row
 capacity (each wrapper is primed at its bucket's ceiling); NaN in padding
 poisoning the last segment (padding input rows are zeroed; padding rows of
 every attention output see no key, which FlashInfer writes as zero); a pinned
@@ -44,10 +45,9 @@ partitions around it (attention then runs un-graphed, always correct).
 On CPU there is nothing to capture: the same bookkeeping runs and the model is
 called on the padded static buffers directly, which is what CI tests.
 
-This module builds on runtime.py's public surface without importing it (runtime.py
-imports this one for ``Runtime.graphed``): the runtime it is given supplies
-``workspace()``, ``unsupported_reason(q)``, ``step(...)``, ``stats``, ``backend``
-and ``device``, and steps are made visible to the op's kernel through steps.py.
+The runtime it is given supplies the float workspace, eager steps and stats;
+``Runtime.graphed`` imports this module on first use. FlashInfer's pinned plan
+buffer is swapped through ``backends/flashinfer.py`` alone.
 """
 
 from __future__ import annotations
@@ -58,8 +58,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .backends import flashinfer as fi
+from .backends import select
 from .buckets import Bucket, PaddedLayout, as_buckets, choose_bucket, pad_layout
-from .steps import activate
+from .runtime import Runtime
+from .steps import Step, activate
 from .validation import check_cu_seqlens_values
 
 __all__ = ["GraphedModel", "OUTPUT_KINDS", "real_rows"]
@@ -125,7 +127,7 @@ class _GraphSlot:
         self.kind = kind  # ("q", "q"), ("q", "k") or ("k", "k")
         self.config = config  # (hq, hkv, d, dtype, causal, scale)
         self.split_kv = split_kv
-        pin = wrapper._pin_memory_int_workspace_buffer
+        pin = fi.staging_buffer(wrapper)
         self.staging = [pin, torch.empty_like(pin).pin_memory()]
         self.events: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
@@ -165,7 +167,7 @@ def _indptr(padded: PaddedLayout, kind) -> tuple[torch.Tensor, torch.Tensor]:
     return cu[kind[0]], kv
 
 
-class _GraphStep:
+class GraphStep(Step):
     """The step the op's CUDA kernel sees during warm-up and capture of a bucket."""
 
     def __init__(self, model: GraphedModel, entry: _Entry):
@@ -173,8 +175,14 @@ class _GraphStep:
         self.owner = model
         self.entry = entry
 
+    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal, scale):
+        raise RuntimeError(
+            "CUDA-graph mode is inference-only (a replay records no autograd graph): it "
+            "captures under torch.no_grad(); train the model outside Runtime.graphed"
+        )
+
     def attention(self, q, k, v, cu_q, cu_k, causal, scale):
-        reason = self.runtime.unsupported_reason(q)
+        reason = select.forward_reason(q.device, q.dtype, q.shape[-1])
         if reason is not None:  # the reference kernel reads offsets on the host: not capturable
             raise ValueError(f"CUDA-graph mode runs FlashInfer only: {reason}")
         e = self.entry
@@ -195,7 +203,7 @@ class _GraphStep:
                     "warm-up did not run; the model must run the same layers on every call"
                 )
             slot = self.owner._new_slot(e, kind, config)
-        self.runtime.stats["flashinfer"] += 1
+        self.runtime.count("flashinfer")
         return fi.run(slot.wrapper, q, k, v)
 
 
@@ -208,12 +216,10 @@ class GraphedModel:
     ``syncs`` (device offsets read on the host).
     """
 
-    def __init__(self, model, buckets, *, runtime, split_kv="auto", outputs=None):
-        # runtime: the ragged_compile.Runtime that plans for it (duck-typed: this
-        # module never imports runtime.py, which imports it).
+    def __init__(self, model, buckets, *, runtime: Runtime, split_kv="auto", outputs=None):
         if split_kv not in ("auto", True, False):
             raise ValueError(f'split_kv must be "auto", True or False, got {split_kv!r}')
-        if runtime is None or not hasattr(runtime, "unsupported_reason"):
+        if not isinstance(runtime, Runtime):
             raise TypeError(
                 "GraphedModel needs the ragged_compile.Runtime that plans for it; "
                 "make it with rc.Runtime().graphed(model, buckets)"
@@ -307,7 +313,7 @@ class GraphedModel:
         if event is not None and not event.query():
             self.stats["waits"] += 1
             event.synchronize()
-        slot.wrapper._pin_memory_int_workspace_buffer = slot.staging[i]
+        fi.set_staging_buffer(slot.wrapper, slot.staging[i])
         qo, kv = _indptr(padded, slot.kind)
         hq, hkv, d, dtype, causal, scale = slot.config
         fi.plan(slot.wrapper, qo, kv, hq, hkv, d, dtype, causal, scale, split_kv=slot.split_kv, causal_split=True)
@@ -315,14 +321,14 @@ class GraphedModel:
         slot.events[i].record()
         slot.turn ^= 1
         self.stats["plans"] += 1
-        self.runtime.stats["plans"] += 1
+        self.runtime.count("plans")
 
     def _new_slot(self, e: _Entry, kind, config) -> _GraphSlot:
         hq, hkv, d, dtype, causal, scale = config
         b = e.bucket
         rows_q = b.max_tokens_q if kind[0] == "q" else b.max_tokens_k
         rows_k = b.max_tokens_q if kind[1] == "q" else b.max_tokens_k
-        backend = fi.choose_backend(
+        backend = select.flashinfer_backend(
             self.runtime.backend, self.runtime.device, b.max_segments, rows_k,
             hq=hq, hkv=hkv, head_dim=d, causal=causal,
         )
@@ -366,7 +372,7 @@ class GraphedModel:
         if x.device.type != "cuda":
             self.entries[bucket] = e
             return e
-        step = _GraphStep(self, e)
+        step = GraphStep(self, e)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         # Inference only: a replay has no autograd graph, so none is recorded

@@ -36,7 +36,6 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
 from . import ops as _ops  # noqa: F401  (registers the ops)
-from . import train_ops as _train_ops  # noqa: F401
 
 __all__ = ["register"]
 

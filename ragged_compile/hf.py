@@ -27,7 +27,6 @@ reason at WARNING on the "ragged_compile" logger (see :data:`FALLBACKS`).
 
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
 
@@ -35,26 +34,31 @@ import torch
 import torch.nn.functional as F
 
 from . import hf_towers
-from .ops import ragged_attention, unsupported_reason
+from .backends.select import unsupported_reason
+from .logs import warn_once
+from .ops import ragged_attention
 
 __all__ = ["register", "attention_forward", "mask_function", "FALLBACKS", "SUPPORTED_VERSIONS"]
 
-log = logging.getLogger("ragged_compile")
-
 SUPPORTED_VERSIONS = ">=5.0,<6"
 
-# Reasons a call runs stock SDPA instead of our op (README table).
+# Why a call runs stock SDPA instead of our op: each reason the code emits, once.
+DROPOUT = "dropout in training"
+SOFTCAP = "softcap"
+SINKS = "attention sinks"
+POSITION_BIAS = "position_bias"
+SHORT_WINDOW = "sliding window shorter than a sequence"
+NOT_RAGGED = "non-ragged attention mask"
+COMPILED_4D_MASK = "4-D mask under torch.compile (checked for a ragged pattern only in eager)"
+OUTPUT_ATTENTIONS = "output_attentions"
+HEAD_DIMS_DIFFER = "value head dim differs from query head dim"
+HEADS_NOT_GROUPED = "query heads are not a multiple of key/value heads"
+UNSUPPORTED = "dtype / head dim our op does not take on this device"
+
+# The README's table of what falls back.
 FALLBACKS = (
-    "dropout in training",
-    "softcap",
-    "attention sinks",
-    "position_bias",
-    "sliding window shorter than a sequence",
-    "non-ragged attention mask",
-    "4-D mask under torch.compile (checked for a ragged pattern only in eager)",
-    "output_attentions",
-    "value head dim differs from query head dim",
-    "dtype / head dim our op does not take on this device",
+    DROPOUT, SOFTCAP, SINKS, POSITION_BIAS, SHORT_WINDOW, NOT_RAGGED, COMPILED_4D_MASK,
+    OUTPUT_ATTENTIONS, HEAD_DIMS_DIFFER, HEADS_NOT_GROUPED, UNSUPPORTED,
 )
 
 _registered: set[str] = set()
@@ -143,8 +147,8 @@ def mask_function(
             kv_offset=kv_offset, attention_mask=attention_mask, allow_is_causal_skip=False,
             use_vmap=True, **kw,
         )
-    if attention_mask is not None and not torch.compiler.is_compiling() and bool(attention_mask.all()):
-        return None
+    # A mask without padding is an ordinary layout (empty padding segments): telling
+    # it apart here would cost a device-to-host read per forward.
     return attention_mask
 
 
@@ -177,13 +181,25 @@ def _layout_pattern(fn, depth: int = 0) -> bool:
 # -- layouts ----------------------------------------------------------------------
 
 
-class _Layout:
-    """Offsets over the flattened ``[B * Sq]`` queries and ``[B * Sk]`` keys."""
+class _Segments:
+    """Offsets over the flattened ``[B * Sq]`` queries and ``[B * Sk]`` keys, and, where
+    they were read once per forward, their host copies (``host_q``, ``host_k``)."""
 
-    __slots__ = ("cu_q", "cu_k", "max_k", "ragged", "plain", "__weakref__")
+    __slots__ = ("cu_q", "cu_k", "max_k", "ragged", "plain", "host_q", "host_k", "__weakref__")
 
-    def __init__(self, cu_q, cu_k, max_k=None, ragged=True, plain=False):
+    def __init__(self, cu_q, cu_k, max_k=None, ragged=True, plain=False, host_q=None, host_k=None):
         self.cu_q, self.cu_k, self.max_k, self.ragged, self.plain = cu_q, cu_k, max_k, ragged, plain
+        self.host_q, self.host_k = host_q, host_k
+
+    def tell_runtime(self) -> None:
+        """Give the CUDA runtime the host copies, so planning reads nothing back."""
+        if self.host_q is not None and self.cu_q.is_cuda:
+            from .runtime import get_runtime
+
+            rt = get_runtime(self.cu_q.device)
+            rt.know_offsets(self.cu_q, self.host_q)
+            if self.cu_k is not self.cu_q:
+                rt.know_offsets(self.cu_k, self.host_k)
 
 
 def _cu(lengths: torch.Tensor) -> torch.Tensor:
@@ -197,7 +213,7 @@ def _runs(valid: torch.Tensor):
     return start, n
 
 
-def _padded_layout(valid_k: torch.Tensor, sq: int, causal: bool) -> _Layout:
+def _padded_layout(valid_k: torch.Tensor, sq: int, causal: bool) -> _Segments:
     """Segments per row without gathering: valid keys must form one run per row.
 
     Causal self-attention (Sq == Sk): [pad q | pad k | tokens | pad q | pad k], the
@@ -205,8 +221,13 @@ def _padded_layout(valid_k: torch.Tensor, sq: int, causal: bool) -> _Layout:
     query row attends the row's valid run ([pad k | queries + run | pad k]);
     causal then aligns bottom-right, i.e. the queries are the run's last tokens.
     """
-    sk = valid_k.shape[-1]
     start, n = _runs(valid_k)
+    return _layout_of_runs(start, n, sq, valid_k.shape[-1], causal)
+
+
+def _layout_of_runs(start: torch.Tensor, n: torch.Tensor, sq: int, sk: int, causal: bool) -> _Segments:
+    """:func:`_padded_layout` from each row's run (start, count): on the device, or on
+    host copies of the same runs, which give the same offsets."""
     end = start + n
     zero = torch.zeros_like(n)
     if causal and sq == sk:
@@ -215,38 +236,53 @@ def _padded_layout(valid_k: torch.Tensor, sq: int, causal: bool) -> _Layout:
     else:
         lq = torch.stack([zero, torch.full_like(n, sq), zero], 1)
         lk = torch.stack([start, n, sk - end], 1)
-    return _Layout(_cu(lq), _cu(lk))
+    return _Segments(_cu(lq), _cu(lk))
 
 
-def _check_padded(valid_k: torch.Tensor, sq: int, causal: bool) -> str | None:
-    """Host check that a 2-D mask is a layout (eager only: it reads the mask)."""
-    start, n = _runs(valid_k)
-    idx = torch.arange(valid_k.shape[-1], device=valid_k.device)
-    inside = (idx >= start[:, None]) & (idx < (start + n)[:, None])
-    if not bool(torch.equal(inside, valid_k)):
-        return "non-ragged attention mask"
-    if causal and sq != valid_k.shape[-1] and bool(((start + n) != valid_k.shape[-1]).any()):
-        return "non-ragged attention mask"  # padding after the keys while decoding
-    return None
-
-
-def _assert_padded(valid_k: torch.Tensor, sq: int, causal: bool) -> None:
-    """_check_padded for compiled code: no host read, an error at run time instead
-    of a fallback (a graph cannot choose stock SDPA on the mask's values)."""
+def _is_padding(valid_k: torch.Tensor, sq: int, causal: bool):
+    """(start, count, ok) on the mask's device: each row's valid run, and whether the
+    mask is padding (one run of valid keys per row; while decoding, causal, the run
+    ends at the last key)."""
     start, n = _runs(valid_k)
     sk = valid_k.shape[-1]
     idx = torch.arange(sk, device=valid_k.device)
     inside = (idx >= start[:, None]) & (idx < (start + n)[:, None])
     ok = (inside == valid_k).all()
     if causal and sq != sk:
-        ok = ok & ((start + n) == sk).all()
+        ok = ok & ((start + n) == sk).all()  # padding after the keys while decoding
+    return start, n, ok
+
+
+def _read_padded_layout(valid_k: torch.Tensor, sq: int, causal: bool) -> _Segments:
+    """Eager: the padded layout of a 2-D mask, checked, with one host read per forward
+    (the runs and the check, together), so that the check and the runtime's planning
+    read nothing else back. A mask that is not padding gives a non-ragged result."""
+    start, n, ok = _is_padding(valid_k, sq, causal)
+    host = torch.cat([ok.view(1).to(start.dtype), start, n]).to("cpu")
+    if not bool(host[0]):
+        return _Segments(None, None, ragged=False)
+    b = start.shape[0]
+    sk = valid_k.shape[-1]
+    seg = _layout_of_runs(start, n, sq, sk, causal)
+    if valid_k.is_cuda:
+        on_host = _layout_of_runs(host[1 : 1 + b], host[1 + b :], sq, sk, causal)
+        seg.host_q, seg.host_k = on_host.cu_q, on_host.cu_k
+        seg.tell_runtime()
+    return seg
+
+
+def _assert_padded(valid_k: torch.Tensor, sq: int, causal: bool) -> None:
+    """The check of :func:`_read_padded_layout` for compiled code: no host read, an error
+    at run time instead of a fallback (a graph cannot choose stock SDPA on the mask's
+    values)."""
+    _, _, ok = _is_padding(valid_k, sq, causal)
     torch._assert_async(
         ok, "ragged_compile.hf: attention_mask is not padding (one run of 1s per row) under "
         "torch.compile; run such masks eagerly or on attn_implementation='sdpa'",
     )
 
 
-def _position_layout(position_ids: torch.Tensor, b: int, s: int) -> _Layout:
+def _position_layout(position_ids: torch.Tensor, b: int, s: int) -> _Segments:
     """Packed sequences start where positions do not continue (as transformers'
     find_packed_sequence_indices). Static shape: one segment slot per token,
     unused slots empty, so new layouts never change shapes."""
@@ -257,13 +293,13 @@ def _position_layout(position_ids: torch.Tensor, b: int, s: int) -> _Layout:
     idx = torch.arange(t, device=pos.device, dtype=torch.int32)
     starts = torch.where(start.reshape(t), idx, torch.full_like(idx, t))
     cu = torch.cat([torch.sort(starts).values, idx.new_full((1,), t)])
-    return _Layout(cu, cu)
+    return _Segments(cu, cu)
 
 
-def _plain_layout(b: int, sq: int, sk: int, device) -> _Layout:
+def _plain_layout(b: int, sq: int, sk: int, device) -> _Segments:
     cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=device)
     cu_k = cu_q if sk == sq else torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=device)
-    return _Layout(cu_q, cu_k, max_k=sk, plain=True)
+    return _Segments(cu_q, cu_k, max_k=sk, plain=True)
 
 
 def _check_4d(mask: torch.Tensor, b: int, sq: int, sk: int, causal: bool):
@@ -283,7 +319,7 @@ def _check_4d(mask: torch.Tensor, b: int, sq: int, sk: int, causal: bool):
         return None
     a = allowed[:, 0].expand(b, sq, sk)
     valid = a.any(1)
-    if _check_padded(valid, sq, False) is not None:
+    if not bool(_is_padding(valid, sq, False)[2]):
         return None
     start, n = _runs(valid)
     j = torch.arange(sk, device=mask.device)
@@ -318,10 +354,10 @@ def _cached(src, extra, build):
     return value
 
 
-_plain: dict[tuple, _Layout] = {}
+_plain: dict[tuple, _Segments] = {}
 
 
-def _plain_cached(b, sq, sk, device) -> _Layout:
+def _plain_cached(b, sq, sk, device) -> _Segments:
     # The same offsets object for every layer (the CUDA runtime knows it by address).
     key = (b, sq, sk, device)
     hit = _plain.get(key)
@@ -334,31 +370,11 @@ def _plain_cached(b, sq, sk, device) -> _Layout:
 
 # -- fallback -------------------------------------------------------------------
 
-_warned: set[tuple] = set()
-
-
-def _emit(reason: str, where: str) -> None:
-    if (reason, where) not in _warned:
-        _warned.add((reason, where))
-        log.warning("ragged_compile.hf: %s: %s runs transformers' stock SDPA for these calls", reason, where)
-
-
-def _emit_at_trace(ctx) -> None:
-    # Runs while Dynamo traces _log_once: logs once per compile, no graph break.
-    _emit(ctx.get_local("reason").as_python_constant(), ctx.get_local("where").as_python_constant())
-
-
 def _log_once(reason: str, module) -> None:
-    where = type(module).__name__
-    if torch.compiler.is_compiling():
-        from torch._dynamo.comptime import comptime
-
-        comptime(_emit_at_trace)
-    else:
-        _emit(reason, where)
+    warn_once(f"hf: {reason}: {type(module).__name__} runs transformers' stock SDPA for these calls")
 
 
-def _dense_from_layout(layout: _Layout, b, sq, sk, causal, window, device) -> torch.Tensor:
+def _dense_from_layout(layout: _Segments, b, sq, sk, causal, window, device) -> torch.Tensor:
     """[B, 1, Sq, Sk] bool mask of a layout (for stock SDPA), rows without keys all True."""
     def seg_pos(cu, t):
         idx = torch.arange(t, device=device)
@@ -424,22 +440,22 @@ def _stock(module, query, key, value, attention_mask, dropout, scaling, causal, 
 
 def _reason(module, query, key, value, dropout, kwargs) -> str | None:
     if dropout and dropout > 0 and module.training:
-        return "dropout in training"
+        return DROPOUT
     if kwargs.get("softcap") is not None:
-        return "softcap"
+        return SOFTCAP
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        return "attention sinks"
+        return SINKS
     if kwargs.get("position_bias") is not None:
-        return "position_bias"
+        return POSITION_BIAS
     if kwargs.get("output_attentions"):
-        return "output_attentions"
+        return OUTPUT_ATTENTIONS
     if value.shape[-1] != query.shape[-1] or key.shape[-1] != query.shape[-1]:
-        return "value head dim differs from query head dim"
+        return HEAD_DIMS_DIFFER
     if query.shape[1] % key.shape[1] != 0:
-        return "query heads are not a multiple of key/value heads"
+        return HEADS_NOT_GROUPED
     why = unsupported_reason(query.device, query.dtype, query.shape[-1])
     if why is not None:
-        return f"dtype / head dim our op does not take on this device ({why})"
+        return f"{UNSUPPORTED} ({why})"
     return None
 
 
@@ -463,7 +479,7 @@ def attention_forward(
     compiling = torch.compiler.is_compiling()
     reason = _reason(module, query, key, value, dropout, kwargs)
     if reason is None and causal and sq > sk:
-        reason = "non-ragged attention mask"  # more queries than keys: no cache alignment
+        reason = NOT_RAGGED  # more queries than keys: no cache alignment
 
     # Packing is known without the mask; stock SDPA needs it too (as a dense mask).
     cu_q = kwargs.get("cu_seq_lens_q")
@@ -475,7 +491,7 @@ def attention_forward(
                 f"pack the sequences along the sequence dim (DataCollatorWithFlattening does)"
             )
         cu_k = kwargs.get("cu_seq_lens_k")
-        layout = _Layout(cu_q, cu_q if cu_k is None else cu_k, kwargs.get("max_length_k"))
+        layout = _Segments(cu_q, cu_q if cu_k is None else cu_k, kwargs.get("max_length_k"))
     elif attention_mask is None:
         position_ids = kwargs.get("position_ids")
         if causal and sq == sk and position_ids is not None and position_ids.shape[-1] == sq:
@@ -489,38 +505,36 @@ def attention_forward(
         pass  # packed, or no mask
     elif attention_mask.dim() == 2:
         if attention_mask.shape != (b, sk):
-            reason = "non-ragged attention mask"
+            reason = NOT_RAGGED
         else:
             valid = attention_mask.to(torch.bool)
 
             def build():
                 if compiling:
                     _assert_padded(valid, sq, causal)
-                why = None if compiling else _check_padded(valid, sq, causal)
-                if why is not None:
-                    return _Layout(None, None, ragged=False)
-                return _padded_layout(valid, sq, causal)
+                    return _padded_layout(valid, sq, causal)
+                return _read_padded_layout(valid, sq, causal)
 
             layout = _cached(attention_mask, (sq, causal), build)
             if not layout.ragged:
-                reason, layout = "non-ragged attention mask", None
+                reason, layout = NOT_RAGGED, None
     elif attention_mask.dim() == 4 and not compiling:
         def build4():
             valid = _check_4d(attention_mask, b, sq, sk, causal)
-            return _Layout(None, None, ragged=False) if valid is None else _padded_layout(valid, sq, causal)
+            return _Segments(None, None, ragged=False) if valid is None else _padded_layout(valid, sq, causal)
 
         layout = _cached(attention_mask, (sq, sk, causal), build4)
         if not layout.ragged:
-            reason, layout = "non-ragged attention mask", None
+            reason, layout = NOT_RAGGED, None
     elif attention_mask.dim() == 4:
-        reason = "4-D mask under torch.compile (checked for a ragged pattern only in eager)"
+        reason = COMPILED_4D_MASK
     else:
-        reason = "non-ragged attention mask"
+        reason = NOT_RAGGED
     if reason is None:
         window = kwargs.get("sliding_window")
         if window is not None and not _window_covers(layout, window, compiling):
             return _stock(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs,
-                          "sliding window shorter than a sequence", layout)
+                          SHORT_WINDOW, layout)
     if reason is not None:
         return _stock(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs, reason, layout)
 
@@ -536,21 +550,24 @@ def attention_forward(
     return out.view(b, sq, hq, d), None
 
 
-def _plain_copy(layout: _Layout) -> _Layout:
+def _plain_copy(layout: _Segments) -> _Segments:
     with torch.inference_mode(False):
         cu_q = layout.cu_q.clone()
         cu_k = cu_q if layout.cu_k is layout.cu_q else layout.cu_k.clone()
-    return _Layout(cu_q, cu_k, layout.max_k)
+    seg = _Segments(cu_q, cu_k, layout.max_k, host_q=layout.host_q, host_k=layout.host_k)
+    seg.tell_runtime()
+    return seg
 
 
-def _window_covers(layout: _Layout, window: int, compiling: bool) -> bool:
+def _window_covers(layout: _Segments, window: int, compiling: bool) -> bool:
     """Whether a sliding window spans every segment's keys (then it changes nothing)."""
     if layout.max_k is not None and not isinstance(layout.max_k, torch.Tensor):
         return int(layout.max_k) <= window
     if compiling:
         return False  # would need the lengths on the host
-    lk = layout.cu_k[1:] - layout.cu_k[:-1]
-    lq = layout.cu_q[1:] - layout.cu_q[:-1]
+    cu_q, cu_k = (layout.host_q, layout.host_k) if layout.host_q is not None else (layout.cu_q, layout.cu_k)
+    lk = cu_k[1:] - cu_k[:-1]
+    lq = cu_q[1:] - cu_q[:-1]
     return bool((torch.maximum(lk, lq) <= window).all())
 
 

@@ -49,12 +49,12 @@ from torch.nested._internal.nested_tensor import (
 )
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.ragged_compile.ragged_attention)
-from .ops import unsupported_reason
-from .train_ops import attention, training_unsupported_reason
+from .backends.select import training_reason, unsupported_reason
+from .logs import log, warn_once
+from .ops import attention
 
 __all__ = ["enable", "is_enabled"]
 
-log = logging.getLogger("ragged_compile")
 
 # Eager calls in this context run on our op (set by enable()).
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("ragged_compile_enabled", default=False)
@@ -151,9 +151,10 @@ def _compiling_for() -> tuple[bool, bool]:
 def _handler_uuid() -> str:
     # AOTAutograd's cache key holds the Dynamo graph (one NJT SDPA node), not
     # what this handler traced it into; our pass uuid carries that instead.
+    from .backends import select
     from .passes import _hash_source
 
-    return _hash_source(sys.modules[__name__])
+    return _hash_source(sys.modules[__name__], select)
 
 
 @torch._dynamo.assume_constant_result
@@ -171,7 +172,8 @@ def _note(level: int, msg: str) -> bool:
         level = max(level, logging.INFO)
         seen = _seen_per_compile.setdefault(context, set())
     elif level >= logging.WARNING:
-        seen = _seen
+        warn_once(msg)  # eager warnings: once per process
+        return True
     else:
         seen = set()
     if msg not in seen:
@@ -180,7 +182,6 @@ def _note(level: int, msg: str) -> bool:
     return True
 
 
-_seen: set[str] = set()  # eager warnings: once per process
 _seen_per_compile: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -199,11 +200,11 @@ def _stock_reason(query, key, value, attn_mask, is_causal, enable_gqa) -> str | 
         and torch.is_grad_enabled()
         and (query.requires_grad or key.requires_grad or value.requires_grad)
     ):
-        # On CUDA the op trains with fused kernels (train_ops.py) where they take
+        # On CUDA the op trains with fused kernels (backends/select.py) where they take
         # the call; elsewhere stock NJT SDPA has a fused backward and ours would be
         # the reference kernel. On CPU stock has no causal, no GQA and no compile,
         # so training there runs on our op.
-        why = training_unsupported_reason(query.device, query.dtype, query.size(-1))
+        why = training_reason(query.device, query.dtype, query.size(-1))
         if why is not None:
             return f"inputs require grad and {why}"
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:

@@ -1,40 +1,42 @@
-"""The ragged attention op: public function, custom op, fake kernel, device kernels."""
+"""The ragged attention op family: the public function, its custom ops, their fake
+kernels, device kernels and autograd.
+
+===============================================  ===================================
+op                                               what it is
+===============================================  ===================================
+``ragged_attention(q, k, v, cu_q, cu_k,          the inference op: no LSE; its
+causal, scale) -> out``                          backward is ``ragged_attention_backward``
+``ragged_attention_backward(grad_out, q, k, v,   exact gradients without a saved LSE:
+cu_q, cu_k, causal, scale) -> (dq, dk, dv)``     the CPU kernel's, or the reference's
+``ragged_attention_lse(q, k, v, cu_q, cu_k,      the training forward: also the LSE (fp32
+causal, scale) -> (out, lse, max_lens)``         ``[Hq, Tq]``, natural log, ``+inf`` for
+                                                 rows that see no key: aten's layout) and
+                                                 ``max_lens``, a CPU int64 ``[max_q, max_k]``
+                                                 from the host layout, so the backward
+                                                 needs no device-to-host sync
+``ragged_attention_lse_backward(grad_out, q, k,  the fused backward: flash-attn-4 or
+v, out, lse, cu_q, cu_k, max_lens, causal,       FlashAttention-2 on CUDA, the CPU
+scale) -> (dq, dk, dv)``                         kernel's on CPU (reusing the LSE)
+===============================================  ===================================
+
+:func:`attention` routes a call to the pair or the inference op, and the
+kernels below ask ``backends/select.py`` which kernel runs; this module only
+validates and dispatches. It mirrors ``torch/nn/attention/varlen.py``: a public
+function with argument checks, custom ops with fake kernels, a backward op with
+a fake kernel, ``register_autograd``.
+"""
 
 from __future__ import annotations
 
-
 import torch
 
-from .backends.cpu import cpu_attention, cpu_attention_backward
-from .backends.cpu import takes as cpu_takes
-from .reference import reference_attention, reference_attention_backward
+from .backends import cpu as cpu_kernel
+from .backends import fa4_backward, flash_backward, select
+from .reference import reference_attention, reference_attention_backward, reference_lse
 from .runtime import get_runtime
-from .train_ops import attention as _dispatch  # inference op, or the training pair (train_ops.py)
-from .validation import SUPPORTED_DTYPES, check_cu_seqlens_values, check_inputs, check_meta, check_values, debug_checks
+from .validation import check_cu_seqlens_values, check_inputs, check_meta, check_values, debug_checks
 
-__all__ = ["ragged_attention", "SUPPORTED_DTYPES", "unsupported_reason"]
-
-
-def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim) -> str | None:
-    """Why a rewrite should leave an attention call to stock PyTorch, or None.
-
-    On CPU the op takes every supported dtype (the reference kernel is what CPU
-    runs anyway). On CUDA it must reach FlashInfer: stock fp32 or head_dim > 256
-    attention there is a fused kernel, and ours would be the reference kernel.
-    """
-    from .backends import flashinfer as fi
-
-    if dtype not in SUPPORTED_DTYPES:
-        return f"dtype {dtype} is not supported"
-    if device.type == "cuda":
-        if not isinstance(head_dim, int):
-            return "head dim is symbolic"
-        if not fi.supports(dtype, head_dim):
-            return (
-                f"{dtype} with head_dim {head_dim} on CUDA would run the reference kernel "
-                f"(FlashInfer takes fp16/bf16 and head_dim <= 256)"
-            )
-    return None
+__all__ = ["ragged_attention", "attention"]
 
 
 def ragged_attention(
@@ -88,9 +90,10 @@ def ragged_attention(
     dimension copy. GQA/MQA: query head ``h`` uses k/v head ``h // (Hq // Hkv)``
     (as ``enable_gqa=True`` in SDPA). Backward: on CUDA (fp16/bf16, head_dim
     <= 256, SM80+) a grad-requiring call runs FlashInfer's forward with its LSE
-    and PyTorch's FlashAttention-2 varlen backward (see train_ops.py); elsewhere
-    exact gradients from the reference kernel in float32 (on CUDA with a
-    warning, once).
+    and a fused backward (flash-attn-4 on SM90 where installed, else PyTorch's
+    FlashAttention-2); on CPU the fused CPU kernel's; elsewhere exact gradients
+    from the reference kernel (on CUDA with a warning, once). Which kernel runs
+    a call is decided in ``backends/select.py``.
 
     Offsets are checked (``cu[0] == 0``, non-decreasing, ``cu[-1] == T``) on
     host copies: always for CPU tensors, at plan time on CUDA, and on every call
@@ -112,9 +115,9 @@ def ragged_attention(
             check_cu_seqlens_values(cu_seqlens_q, q.shape[0], "cu_seqlens_q", max_seqlen_q)
             check_cu_seqlens_values(cu_seqlens_k, k.shape[0], "cu_seqlens_k", max_seqlen_k)
     if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is None:
-        # Autograd and AOTAutograd differentiate the op (or, for CUDA training,
-        # the LSE pair of train_ops.py) through its registered autograd.
-        return _dispatch(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale))
+        # Autograd and AOTAutograd differentiate the op (or the LSE pair) through
+        # its registered autograd.
+        return attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale), checked=True)
     # Under a torch.func transform (grad, vjp, jacrev, vmap).
     return _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale))
 
@@ -133,12 +136,57 @@ setattr(
 )
 
 
-# cudagraph_unsafe: the CUDA kernel looks its plan up on the host at every call.
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, *, checked: bool = False) -> torch.Tensor:
+    """The op a call runs: the LSE pair when it needs gradients and a kernel of its
+    own trains it (``select.trains_with_lse``), else the inference op.
+
+    Inference (no grad mode, or nothing requires grad) never pays for the LSE.
+    An eager CUDA call that nothing could intercept (no torch.compile trace, no
+    dispatch or function mode, no profiler, plain tensors) runs the same kernels
+    without the dispatcher, whose custom-op and autograd layers cost more host
+    time than the kernel launch on small batches. ``checked``: the caller ran
+    ``check_inputs``.
+    """
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    direct = q.is_cuda and _undispatched(q, k, v)
+    if direct and not checked:
+        check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    if grad:
+        if select.trains_with_lse(q.device, q.dtype, q.shape[-1]):
+            if direct:
+                return _EagerTraining.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+            out, _, _ = torch.ops.ragged_compile.ragged_attention_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+            return out
+    elif direct:
+        return get_runtime(q.device).attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    return torch.ops.ragged_compile.ragged_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+
+
+_Tensor = torch.Tensor
+
+
+def _undispatched(q, k, v) -> bool:
+    """Whether running the kernels directly is exactly what the dispatcher would do:
+    eager, plain tensors, and nothing that watches or rewrites ops."""
+    return (
+        type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
+        and not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._is_torch_function_mode_enabled()
+        and not torch.autograd._profiler_enabled()
+        and torch._C._functorch.maybe_current_level() is None
+    )
+
+
+# cudagraph_unsafe: the CUDA kernels look their plan up on the host at every call.
 # A graph captured by torch.compile(mode="reduce-overhead") would freeze the plan
 # of the capture-time layout and replay it for any other layout of the same
-# shapes; with the tag, Inductor partitions the graph around this op instead.
+# shapes; with the tag, Inductor partitions the graph around these ops instead.
 # CUDA-graph replay across layouts is the runtime's job (cudagraph.py).
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+# -- the inference op ------------------------------------------------------------------
 
 
 @torch.library.custom_op("ragged_compile::ragged_attention", mutates_args=(), tags=_TAGS)
@@ -151,19 +199,26 @@ def _ragged_attention(
     causal: bool,
     scale: float,
 ) -> torch.Tensor:
-    # CPU runs the fused-kernel path (backends/cpu.py); other devices without a
-    # kernel of their own (MPS, ...), float64 and RAGGED_COMPILE_REFERENCE=1 run the reference.
+    # Every device but CUDA: the fused CPU kernel or the reference (select.forward_kernel).
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
     check_values(q, k, cu_seqlens_q, cu_seqlens_k)
-    if cpu_takes(q):
-        return cpu_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    if select.forward_kernel(q.device, q.dtype, q.shape[-1]) == "cpu":
+        return cpu_kernel.cpu_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
     return reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
 
 
 @_ragged_attention.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
+def _ragged_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
     check_meta(q, k, v, cu_seqlens_q, cu_seqlens_k)
     return q.new_empty(q.shape)
+
+
+@_ragged_attention.register_kernel("cuda")
+def _ragged_attention_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
+    # FlashInfer through the runtime: it finds the plan of this step's layout
+    # without host work (steps.py), or runs the reference and says why.
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    return get_runtime(q.device).attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
 
 
 @torch.library.custom_op("ragged_compile::ragged_attention_backward", mutates_args=(), tags=_TAGS)
@@ -179,13 +234,13 @@ def _ragged_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # One opaque op so AOTAutograd traces the backward graph without reading
     # offsets: the fused CPU kernel on CPU, the reference's exact gradients elsewhere.
-    if cpu_takes(q):
-        return cpu_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    if select.forward_kernel(q.device, q.dtype, q.shape[-1]) == "cpu":
+        return cpu_kernel.cpu_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
     return reference_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
 
 
 @_ragged_attention_backward.register_fake
-def _(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
+def _ragged_attention_backward_fake(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -202,6 +257,136 @@ def _backward(ctx, grad_out):
 
 
 _ragged_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- the training pair: forward with its LSE, fused backward ----------------------------
+
+
+@torch.library.custom_op("ragged_compile::ragged_attention_lse", mutates_args=(), tags=_TAGS)
+def _ragged_attention_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Every device but CUDA: the fused CPU kernel, or the reference and an exact LSE.
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    lens_q, lens_k = check_values(q, k, cu_seqlens_q, cu_seqlens_k)
+    max_lens = torch.tensor([int(x.max()) if x.numel() else 0 for x in (lens_q, lens_k)], dtype=torch.int64)
+    if select.forward_kernel(q.device, q.dtype, q.shape[-1]) == "cpu":
+        out, lse = cpu_kernel.cpu_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, return_lse=True)
+        return out, lse.t().contiguous(), max_lens  # [Tq, Hq] -> the backward's [Hq, Tq]
+    out = reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    return out, reference_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal, scale), max_lens
+
+
+@_ragged_attention_lse.register_fake
+def _ragged_attention_lse_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
+    check_meta(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return out, lse, torch.empty(2, dtype=torch.int64, device="cpu")
+
+
+@_ragged_attention_lse.register_kernel("cuda")
+def _ragged_attention_lse_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    out, lse, max_lens = get_runtime(q.device).attention_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    return out, lse, torch.tensor(max_lens, dtype=torch.int64)
+
+
+@torch.library.custom_op("ragged_compile::ragged_attention_lse_backward", mutates_args=(), tags=_TAGS)
+def _ragged_attention_lse_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_lens: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if select.forward_kernel(q.device, q.dtype, q.shape[-1]) == "cpu":
+        return cpu_kernel.cpu_attention_backward(
+            grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, out=out, lse=lse.t()
+        )
+    return reference_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+
+
+@_ragged_attention_lse_backward.register_fake
+def _ragged_attention_lse_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens, causal, scale):
+    torch._check(grad_out.shape == q.shape, lambda: f"grad_out {tuple(grad_out.shape)} must match q {tuple(q.shape)}")
+    torch._check(
+        lse.dim() == 2 and lse.shape[0] == q.shape[1] and lse.shape[1] == q.shape[0],
+        lambda: f"lse must be [Hq, Tq] = {(q.shape[1], q.shape[0])}, got {tuple(lse.shape)}",
+    )
+    torch._check(max_lens.numel() == 2, lambda: "max_lens must hold [max_q, max_k]")
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@_ragged_attention_lse_backward.register_kernel("cuda")
+def _ragged_attention_lse_backward_cuda(
+    grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens, causal, scale
+):
+    max_q, max_k = max_lens.tolist()  # a CPU tensor: no sync
+    return _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale)
+
+
+def _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, causal, scale):
+    layout = (cu_seqlens_q.numel() - 1, q.shape[0], k.shape[0])
+    if select.backward_kernel(q.device, q.dtype, q.shape[-1], layout) == "fa4":
+        try:
+            return fa4_backward.backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale)
+        except Exception as err:  # noqa: BLE001 - select decides: re-raise, or FA2 from now on
+            select.fa4_failed(err, q.device, q.dtype, q.shape[-1])
+    return flash_backward.backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale)
+
+
+class _EagerTraining(torch.autograd.Function):
+    """The training pair without the dispatcher (see :func:`attention`): the same
+    CUDA kernels, saved tensors and backward as ``ragged_attention_lse``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, causal, scale):
+        out, lse, (max_q, max_k) = get_runtime(q.device).attention_with_lse(q, k, v, cu_q, cu_k, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.lens, ctx.causal, ctx.scale = (max_q, max_k), causal, scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = _cuda_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.lens, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None, None, None
+
+
+def _lse_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale = inputs
+    out, lse, max_lens = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens)
+    ctx.causal, ctx.scale = causal, scale
+    ctx.mark_non_differentiable(lse, max_lens)
+
+
+def _lse_backward(ctx, grad_out, _grad_lse, _grad_max_lens):
+    q, k, v, out, lse, cu_q, cu_k, max_lens = ctx.saved_tensors
+    dq, dk, dv = torch.ops.ragged_compile.ragged_attention_lse_backward(
+        grad_out, q, k, v, out, lse, cu_q, cu_k, max_lens, ctx.causal, ctx.scale
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+_ragged_attention_lse.register_autograd(_lse_backward, setup_context=_lse_setup_context)
+
+
+# -- torch.func -----------------------------------------------------------------------
 
 _NO_DOUBLE_BACKWARD = (
     "ragged_compile.ragged_attention has no double backward: its gradients are computed by "
@@ -278,11 +463,3 @@ class _AttentionBackward(torch.autograd.Function):
             lambda *a: _AttentionBackward.apply(*a, causal, scale),
             info, in_dims[:6], grad_out, q, k, v, cu_q, cu_k,
         )
-
-
-@_ragged_attention.register_kernel("cuda")
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
-    # FlashInfer through the runtime: it finds the plan of this step's layout
-    # without host work (see runtime.py), or runs the reference and says why.
-    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
-    return get_runtime(q.device).attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)

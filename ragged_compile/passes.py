@@ -9,7 +9,9 @@ computes exactly the same thing; every replacement and every skip is logged
 under the ``ragged_compile`` logger with its reason.
 
 Inductor skips custom passes on an FX-graph cache hit and keys the cache on
-``uuid()``, so each pass hashes its own source (and the shared helpers it runs).
+``uuid()``, so each pass hashes the sources of the modules whose code decides
+what it rewrites: this one (every pass and helper) and ``backends/select.py``.
+No list of helpers is kept by hand.
 
 Inductor's pass slot is process-wide config, while ``ragged_compile.compile``
 must never rewrite a plain ``torch.compile`` running on another thread. So
@@ -23,10 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import hashlib
 import inspect
 import logging
 import operator
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -36,7 +40,9 @@ import torch.fx
 from torch._inductor import config as _inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .ops import unsupported_reason
+from .backends import select
+from .backends.select import unsupported_reason
+from . import ops as _ops  # noqa: F401  (registers the ops this module rewrites into)
 
 __all__ = [
     "FlashVarlenPass",
@@ -52,11 +58,13 @@ log = logging.getLogger("ragged_compile")
 
 aten = torch.ops.aten
 _RAGGED = torch.ops.ragged_compile.ragged_attention.default
-_RAGGED_LSE = torch.ops.ragged_compile.ragged_attention_lse.default  # train_ops.py, via ops.py
+_RAGGED_LSE = torch.ops.ragged_compile.ragged_attention_lse.default
 _CASTS = {torch.ops.prims.convert_element_type.default, aten._to_copy.default}
 
 
+@functools.cache
 def _hash_source(*objs: Any) -> str:
+    """A hash of the source of modules or classes (their release where no source ships)."""
     h = hashlib.sha256()
     for obj in objs:
         try:
@@ -64,7 +72,8 @@ def _hash_source(*objs: Any) -> str:
         except (OSError, TypeError):  # installed without sources: key on the release
             from . import __version__
 
-            h.update(f"{obj.__module__}.{obj.__qualname__}@{__version__}".encode())
+            name = getattr(obj, "__qualname__", None) or obj.__name__
+            h.update(f"{getattr(obj, '__module__', '')}.{name}@{__version__}".encode())
     return h.hexdigest()
 
 
@@ -279,7 +288,8 @@ class _AttentionPass(CustomGraphPass):
             )
 
     def uuid(self) -> str:
-        return _hash_source(type(self), _AttentionPass, *_HELPERS)
+        # This module (every pass and helper) and the support rules it asks.
+        return f"{type(self).__name__}:{_hash_source(sys.modules[__name__], select)}"
 
 
 class FlashVarlenPass(_AttentionPass):
@@ -400,12 +410,6 @@ class VarlenAttnPass(_AttentionPass):
         return (a["query"], a["key"], a["value"], cu_q, cu_k, causal, scale)
 
 
-_HELPERS = (
-    _bind, _val, _only_output_used, _training_outputs, _lse_used, _peel_cast, _check_qkv, _scale, _insert, _squeeze0, _replace_output,
-    unsupported_reason,
-)
-
-
 class RaggedAttentionPasses(CustomGraphPass):
     """All of the above, after ``user_pass`` (whatever held the config slot before us).
 
@@ -446,7 +450,7 @@ class RaggedAttentionPasses(CustomGraphPass):
             # Not our compile: key as the user's pass would (a constant when there is
             # none: Inductor reads a pass without uuid as uncacheable).
             return ("ragged_compile: off", user)
-        own = (_hash_source(type(self)), tuple(p.uuid() for p in self.passes))
+        own = tuple(p.uuid() for p in self.passes)
         return (own, self.extra_uuid, user)
 
 

@@ -1,27 +1,105 @@
-"""The step the op's CUDA kernel sees: one stack per thread.
+"""Steps: what the op's CUDA kernels call within one forward, and how they find
+a layout's plan with no host work on the hot path.
 
-The seam between the kernel and whoever plans for it. :class:`~ragged_compile.runtime.Runtime`
-pushes its steps here (``Runtime.step``), CUDA-graph mode pushes the step that
-hands out graph-mode wrappers during capture (cudagraph.py). A step is any
-object with a ``runtime`` attribute and an ``attention(q, k, v, cu_q, cu_k,
-causal, scale)`` method. Per thread, so two threads running models under their
-own steps never see each other's plans.
+* A *step* spans one forward. ``Runtime.step(...)`` opens a :class:`PlannedStep`
+  (``ragged_compile.compile`` opens one around every call of the compiled
+  model, outside the compiled region); CUDA-graph mode opens its own during
+  capture (cudagraph.py). :func:`activate` makes a step the one the kernels see
+  on this thread, so two threads never see each other's plans.
+* Within a planned step, a layout is known either from host lengths given to
+  ``step()`` (no device-to-host sync at all) or, the first time a ``cu_seqlens``
+  tensor is seen, by copying it to the host once (one sync per distinct layout
+  per step), when its values are also checked.
+* Plans are cached per (layout, heads, head dim, dtype, causal, scale, backend,
+  stream) for the step, so a 24-layer model plans once, not 24 times.
+* The step holds a reference to every ``cu_seqlens`` tensor it has identified,
+  keyed by (data pointer, version counter): the memory cannot be reused for
+  other offsets while the step lives, and in-place edits bump the version. A
+  plan therefore never outlives its step, and a new step never sees an old plan:
+  two forwards with equal totals and different layouts each get their own.
+
+Matching a tensor against lengths given to ``step()`` is by (segments, q tokens,
+k tokens) alone; where two declared layouts share those, the kernel falls back
+to reading the offsets (counted as a sync). Under ``RAGGED_COMPILE_DEBUG=1``
+every match is also checked against the tensor's values. Inference tensors
+(made under ``torch.inference_mode()``) track no version: within one step their
+offsets must not be edited in place.
+
+Without a step (eager code under :func:`ragged_compile.enable`), each thread
+keeps an :class:`ImplicitStep` per runtime: a plan is reused while the very
+offsets tensors it was made from are alive and unmodified (:class:`OffsetsCache`:
+object identity through a weak reference, so a freed tensor whose id or memory
+is reused never matches, plus the in-place version). An eager 8-layer forward
+over one NJT therefore plans and syncs once, not 8 times.
 """
 
 from __future__ import annotations
 
+import abc
+import itertools
 import threading
+import weakref
+from collections import OrderedDict
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-__all__ = ["activate", "current_step"]
+import torch
+
+from .backends import flash_backward, select
+from .backends import flashinfer as fi
+from .logs import warn_once
+from .reference import reference_attention
+from .validation import check_cu_seqlens_values, debug_checks
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+__all__ = [
+    "Step", "PlannedStep", "ImplicitStep", "HostLayout", "OffsetsCache",
+    "activate", "current_step", "tensor_version",
+]
+
+IMPLICIT_LAYOUTS = 4  # layouts an implicit step keeps planned (wrappers it holds per config)
+_ids = itertools.count()
+
+
+class Step(abc.ABC):
+    """What the op's CUDA kernels call during one forward.
+
+    ``runtime`` is the :class:`~ragged_compile.Runtime` that plans for it;
+    ``trains`` is set once a training forward ran in it (the runtime then keeps
+    it past its end for activation-checkpoint recomputes).
+    """
+
+    runtime: Runtime
+    trains: bool = False
+
+    @abc.abstractmethod
+    def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float) -> torch.Tensor:
+        """The inference op's CUDA kernel."""
+
+    @abc.abstractmethod
+    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float):
+        """The training forward's CUDA kernel: ``(out, lse, (max_q, max_k))``."""
+
+    def knows(self, cu_q: torch.Tensor, cu_k: torch.Tensor) -> bool:
+        """Whether this step identified these offsets."""
+        return False
+
+    def prefetch(self, cu: torch.Tensor) -> None:
+        """Start reading offsets the forward will need to the host, without waiting."""
+
+    def release(self, tick: int) -> None:
+        """Give back what the step holds (its wrappers) at its end."""
+
 
 _local = threading.local()
 
 
 @contextmanager
-def activate(step: Any):
-    """Make ``step`` the one the op's CUDA kernel sees on this thread."""
+def activate(step: Step):
+    """Make ``step`` the one the op's CUDA kernels see on this thread."""
     stack = _local.__dict__.setdefault("steps", [])
     stack.append(step)
     try:
@@ -30,7 +108,292 @@ def activate(step: Any):
         stack.pop()
 
 
-def current_step() -> Any | None:
+def current_step() -> Step | None:
     """The innermost active step on this thread, or None."""
     stack = getattr(_local, "steps", None)
     return stack[-1] if stack else None
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    """The in-place version counter of ``t``; None for inference tensors, which keep none."""
+    return None if t.is_inference() else t._version
+
+
+class OffsetsCache:
+    """Values computed from offsets tensors, valid while those very tensors are
+    alive and unmodified.
+
+    A hit needs the same tensor objects, checked through weak references (a
+    freed tensor whose ``id`` or memory is reused by new offsets never matches),
+    at the same in-place version (``cu.copy_(...)``, ``cu[1] = ...`` on it or on
+    any view miss). Inference tensors keep no version, so they are never stored
+    (``put`` returns False). At most ``capacity`` entries, least recently used
+    dropped first. Not thread-safe: keep one per thread.
+    """
+
+    def __init__(self, capacity: int = IMPLICIT_LAYOUTS):
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple, tuple] = OrderedDict()
+
+    @staticmethod
+    def _valid(entry, tensors) -> bool:
+        refs, versions, _ = entry
+        return all(r() is t for r, t in zip(refs, tensors)) and versions == tuple(
+            tensor_version(t) for t in tensors
+        )
+
+    def get(self, tensors: tuple[torch.Tensor, ...]):
+        key = tuple(map(id, tensors))
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if not self._valid(entry, tensors):
+            del self._entries[key]
+            return None
+        self._entries.move_to_end(key)
+        return entry[2]
+
+    def put(self, tensors: tuple[torch.Tensor, ...], value) -> bool:
+        versions = tuple(tensor_version(t) for t in tensors)
+        if None in versions:
+            return False
+        self.prune()
+        while len(self._entries) >= self.capacity:
+            self._entries.popitem(last=False)
+        self._entries[tuple(map(id, tensors))] = (tuple(weakref.ref(t) for t in tensors), versions, value)
+        return True
+
+    def prune(self) -> None:
+        """Drop entries whose tensors were freed or edited in place."""
+        for key, entry in list(self._entries.items()):
+            tensors = tuple(r() for r in entry[0])
+            if any(t is None for t in tensors) or not self._valid(entry, tensors):
+                del self._entries[key]
+
+    def __len__(self) -> int:
+        self.prune()
+        return len(self._entries)
+
+
+def _as_offsets(lengths) -> torch.Tensor:
+    lens = torch.as_tensor(lengths, dtype=torch.int64, device="cpu").flatten()
+    if bool((lens < 0).any()):
+        raise ValueError(f"segment lengths must be >= 0, got {lens.tolist()}")
+    cu = torch.zeros(lens.numel() + 1, dtype=torch.int32)
+    torch.cumsum(lens, 0, out=cu[1:])
+    return cu
+
+
+@dataclass
+class HostLayout:
+    """One segment layout, as host offsets (int32), with what planning and the
+    training backward read of it."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    id: int = field(default_factory=lambda: next(_ids))
+
+    def __post_init__(self):
+        self.n = self.cu_q.numel() - 1
+        self.total_q = int(self.cu_q[-1])
+        self.total_k = int(self.cu_k[-1])
+        # the training backward's grid sizes, read here so it never syncs
+        self.max_lens = tuple(int((cu[1:] - cu[:-1]).max()) if self.n else 0 for cu in (self.cu_q, self.cu_k))
+        self._device_cu: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def from_lengths(cls, seq_lens_q, seq_lens_k=None) -> HostLayout:
+        cu_q = _as_offsets(seq_lens_q)
+        cu_k = cu_q if seq_lens_k is None else _as_offsets(seq_lens_k)
+        if cu_k.numel() != cu_q.numel():
+            raise ValueError(
+                f"seq_lens_q has {cu_q.numel() - 1} segments but seq_lens_k has "
+                f"{cu_k.numel() - 1}; pair each q segment with one k/v segment"
+            )
+        return cls(cu_q, cu_k)
+
+    def device_offsets(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._device_cu:
+            self._device_cu[device] = (
+                self.cu_q.to(device, non_blocking=True),
+                self.cu_k.to(device, non_blocking=True),
+            )
+        return self._device_cu[device]
+
+
+class PlannedStep(Step):
+    """A step that plans FlashInfer for the layouts it meets (see the module docstring)."""
+
+    def __init__(self, runtime: Runtime, declared: list[HostLayout]):
+        self.runtime = runtime
+        self.declared = declared
+        self.by_tensor: dict[tuple, HostLayout] = {}
+        self.host: dict[tuple, torch.Tensor | tuple] = {}  # offsets read (or being read) to the host
+        self.held: list[torch.Tensor] = []  # keeps identified offsets' memory from reuse
+        self.plans: dict[tuple, tuple] = {}
+        self.slots: list = []  # the runtime's wrapper slots this step holds
+
+    @staticmethod
+    def _key(cu: torch.Tensor) -> tuple:
+        # The step holds every tensor it identified, so the address is not reused
+        # while the step lives; the version catches in-place edits.
+        return (cu.data_ptr(), tensor_version(cu), cu.numel(), cu.dtype)
+
+    def prefetch(self, cu: torch.Tensor) -> None:
+        """Start copying device offsets to the host now, without waiting.
+
+        The first attention layer then waits only for this copy, which the GPU
+        reaches before the layer's own inputs, instead of draining the queue.
+        """
+        if cu.device.type != "cuda" or self._key(cu) in self.host:
+            return
+        host = torch.empty(cu.shape, dtype=cu.dtype, pin_memory=True)
+        host.copy_(cu, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.host[self._key(cu)] = (host, event)
+        self.held.append(cu)
+
+    def _host(self, cu: torch.Tensor) -> torch.Tensor:
+        """Host copy of offsets: one device-to-host read per tensor per step."""
+        key = self._key(cu)
+        hit = self.host.get(key)
+        if isinstance(hit, tuple):  # prefetched: wait for that copy only
+            host, event = hit
+            event.synchronize()
+            hit = self.host[key] = host.to(torch.int32)
+            self.runtime.count("syncs")
+        elif hit is None:
+            known = self.runtime.known_offsets(cu)
+            if known is None:
+                known = cu.to("cpu", torch.int32)
+                self.runtime.count("syncs")
+            hit = self.host[key] = known
+            self.held.append(cu)
+        return hit
+
+    def layout_for(self, cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int) -> HostLayout:
+        key = (self._key(cu_q), self._key(cu_k))
+        layout = self.by_tensor.get(key)
+        if layout is not None:
+            return layout
+        n = cu_q.numel() - 1
+        matches = [
+            lay
+            for lay in self.declared
+            if lay.n == n and lay.total_q == total_q and lay.total_k == total_k
+        ]
+        if len(matches) == 1 and not debug_checks():
+            layout = matches[0]
+            self.held += [cu_q, cu_k]
+        else:
+            # Read the offsets; validated here because this is host work anyway.
+            host_q, host_k = self._host(cu_q), self._host(cu_k)
+            check_cu_seqlens_values(host_q, total_q, "cu_seqlens_q")
+            check_cu_seqlens_values(host_k, total_k, "cu_seqlens_k")
+            if len(matches) == 1 and not (
+                torch.equal(matches[0].cu_q, host_q) and torch.equal(matches[0].cu_k, host_k)
+            ):
+                raise ValueError(
+                    "the offsets the model passed do not match the lengths given to "
+                    "Runtime.step(); pass the lengths of this forward's batch"
+                )
+            layout = matches[0] if len(matches) == 1 else HostLayout(host_q, host_k)
+        self.by_tensor[key] = layout
+        return layout
+
+    def knows(self, cu_q: torch.Tensor, cu_k: torch.Tensor) -> bool:
+        """Whether this step identified these offsets (it holds them, so their
+        address and version cannot name other offsets while it lives)."""
+        return (self._key(cu_q), self._key(cu_k)) in self.by_tensor
+
+    def release(self, tick: int) -> None:
+        """Give this step's wrappers back to the pool."""
+        for slot in self.slots:
+            slot.last_used = tick
+            slot.owner = None
+        self.slots = []
+
+    def _checked_layout(self, q, k, cu_q, cu_k) -> HostLayout:
+        layout = self.layout_for(cu_q, cu_k, q.shape[0], k.shape[0])
+        if debug_checks():
+            dq, dk = layout.device_offsets(q.device)
+            if not (torch.equal(dq, cu_q.to(dq.dtype)) and torch.equal(dk, cu_k.to(dk.dtype))):
+                raise ValueError("cu_seqlens do not match the layout planned for this step")
+        return layout
+
+    def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float) -> torch.Tensor:
+        rt = self.runtime
+        reason = select.forward_reason(q.device, q.dtype, q.shape[-1])
+        if reason is not None:
+            warn_once(f"{reason}: CUDA ragged attention runs the (slow, exact) reference kernel")
+            rt.count("reference")
+            rt.last_backend = "reference"
+            return reference_attention(q, k, v, cu_q, cu_k, causal, scale)
+        total_q, total_k = q.shape[0], k.shape[0]
+        layout = self._checked_layout(q, k, cu_q, cu_k)
+        if total_q == 0:
+            return q.new_empty(q.shape)
+        if total_k == 0:
+            return q.new_zeros(q.shape)
+        slot = rt.plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale)
+        rt.count("flashinfer")
+        return fi.run(slot.wrapper, q, k, v)
+
+    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float):
+        """:meth:`attention` for training: also the LSE in the backward's layout
+        (``[Hq, Tq]`` fp32, natural log, ``+inf`` for keyless rows; see
+        backends/flash_backward.py) and the longest q and k segment from the host
+        layout, so the backward needs no sync. The caller checked support."""
+        rt = self.runtime
+        self.trains = True
+        total_q, total_k = q.shape[0], k.shape[0]
+        layout = self._checked_layout(q, k, cu_q, cu_k)
+        max_lens = layout.max_lens
+        if total_q == 0 or total_k == 0:
+            lse = torch.full((q.shape[1], total_q), float("inf"), dtype=torch.float32, device=q.device)
+            return q.new_zeros(q.shape), lse, max_lens
+        slot = rt.plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale)
+        rt.count("flashinfer")
+        out, lse = fi.run_with_lse(slot.wrapper, q, k, v)
+        return out, flash_backward.lse_from_flashinfer(lse), max_lens
+
+
+class ImplicitStep(PlannedStep):
+    """The step of calls made outside any ``Runtime.step`` on one thread: layouts
+    are found through :class:`OffsetsCache`, and nothing is held alive."""
+
+    def __init__(self, runtime: Runtime):
+        super().__init__(runtime, [])
+        self.layouts = OffsetsCache(IMPLICIT_LAYOUTS)
+        self.identified = 0  # layouts planned for (the wrappers it holds grow with it)
+        self.reads = OffsetsCache(2 * IMPLICIT_LAYOUTS)  # host copies, per tensor
+
+    def knows(self, cu_q: torch.Tensor, cu_k: torch.Tensor) -> bool:
+        return self.layouts.get((cu_q, cu_k)) is not None
+
+    def spent(self) -> bool:
+        """No layout of it is usable any more, or it holds as many as it may."""
+        return self.identified >= IMPLICIT_LAYOUTS or (self.identified > 0 and len(self.layouts) == 0)
+
+    def _host(self, cu: torch.Tensor) -> torch.Tensor:
+        host = self.reads.get((cu,))
+        if host is None:
+            host = self.runtime.known_offsets(cu)
+            if host is None:
+                host = cu.to("cpu", torch.int32, copy=True)  # never an alias of the user's tensor
+                self.runtime.count("syncs")
+            self.reads.put((cu,), host)
+        return host
+
+    def layout_for(self, cu_q, cu_k, total_q: int, total_k: int) -> HostLayout:
+        layout = self.layouts.get((cu_q, cu_k))
+        if layout is not None:
+            return layout
+        host_q, host_k = self._host(cu_q), self._host(cu_k)
+        check_cu_seqlens_values(host_q, total_q, "cu_seqlens_q")
+        check_cu_seqlens_values(host_k, total_k, "cu_seqlens_k")
+        layout = HostLayout(host_q, host_k)
+        self.layouts.put((cu_q, cu_k), layout)
+        self.identified += 1
+        return layout

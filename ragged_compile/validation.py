@@ -9,7 +9,7 @@ Two kinds of check live here:
   ``cu_seqlens``. They run on host copies: the CPU kernel and the planner have
   those anyway. On a GPU, reading device-resident offsets costs a
   device-to-host sync, so the per-call hot path never does it unless
-  ``RAGGED_COMPILE_DEBUG=1`` (or :func:`set_debug_checks`) asks for it.
+  ``RAGGED_COMPILE_DEBUG=1`` (or :func:`set_debug_checks`) asks for it (config.py).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-import os
 
 import torch
+
+from . import config
 
 __all__ = [
     "SUPPORTED_DTYPES", "check_inputs", "check_meta", "check_values", "check_cu_seqlens_values", "debug_checks", "set_debug_checks",
@@ -28,7 +29,7 @@ __all__ = [
 # Dtypes the op computes (the reference kernel); FlashInfer takes fp16/bf16.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_DEBUG = os.environ.get("RAGGED_COMPILE_DEBUG", "0") not in ("", "0", "false", "False")
+_DEBUG = config.flag(config.DEBUG)
 
 
 def debug_checks() -> bool:
@@ -62,6 +63,31 @@ def _check_cu_meta(cu: torch.Tensor, name: str, device: torch.device) -> None:
         )
 
 
+_Tensor = torch.Tensor
+
+
+def _plainly_valid(q, k, v, cu_q, cu_k, scale) -> bool:
+    """The common valid call, recognised in a few microseconds: plain tensors (no
+    subclass, no fake or symbolic sizes) that pass every check of
+    :func:`check_inputs`. Anything else takes the full checks, which say what is wrong."""
+    if not (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
+            and type(cu_q) is _Tensor and type(cu_k) is _Tensor) or q.is_nested or k.is_nested or v.is_nested:
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if len(qs) != 3 or len(ks) != 3 or len(vs) != 3 or cu_q.dim() != 1 or cu_k.dim() != 1:
+        return False
+    dtype, device = q.dtype, q.device
+    return (
+        dtype in SUPPORTED_DTYPES and k.dtype == dtype and v.dtype == dtype
+        and ks[0] == vs[0] and ks[1] == vs[1] and qs[2] == ks[2] == vs[2] > 0
+        and qs[1] > 0 and ks[1] > 0 and qs[1] % ks[1] == 0
+        and cu_q.dtype in _INDEX_DTYPES and cu_k.dtype in _INDEX_DTYPES
+        and 1 <= cu_q.shape[0] == cu_k.shape[0]
+        and k.device == device and v.device == device and cu_q.device == device and cu_k.device == device
+        and (scale is None or (type(scale) is float and math.isfinite(scale)))
+    )
+
+
 def check_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -71,6 +97,8 @@ def check_inputs(
     scale: float | None,
 ) -> None:
     """Check everything that can be checked without reading tensor values."""
+    if _plainly_valid(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
+        return
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

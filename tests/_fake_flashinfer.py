@@ -13,9 +13,9 @@ import math
 
 import torch
 
-from ragged_compile import train_ops
 from ragged_compile.backends import flashinfer as fi
-from ragged_compile.reference import reference_attention
+from ragged_compile.backends import select
+from ragged_compile.reference import reference_attention, reference_lse
 
 
 class Wrapper:
@@ -52,7 +52,7 @@ def install(monkeypatch) -> list[Wrapper]:
 
     def run_with_lse(w, q, k, v):
         cu_q, cu_k, causal, scale = w.layout
-        lse = train_ops.reference_lse(q, k, cu_q, cu_k, causal, scale)  # [Hq, Tq], ln, +inf
+        lse = reference_lse(q, k, cu_q, cu_k, causal, scale)  # [Hq, Tq], ln, +inf
         fi_lse = (lse / math.log(2.0)).t().contiguous()
         return w.run(q, k, v), fi_lse.masked_fill(torch.isinf(fi_lse), -math.inf)
 
@@ -60,6 +60,6 @@ def install(monkeypatch) -> list[Wrapper]:
     monkeypatch.setattr(fi, "plan", plan)
     monkeypatch.setattr(fi, "run", lambda w, q, k, v: w.run(q, k, v))
     monkeypatch.setattr(fi, "run_with_lse", run_with_lse)
-    monkeypatch.setattr(fi, "choose_backend", lambda requested, *a, **kw: "fa2")
+    monkeypatch.setattr(select, "flashinfer_backend", lambda requested, *a, **kw: "fa2")
     monkeypatch.setattr(torch.cuda, "Event", Event)
     return wrappers

@@ -3,7 +3,7 @@
 bench/sweep_backends.py timed FlashInfer's fa2 and fa3 kernels side by side on
 every layout class (segment lengths, causal or not, GQA group sizes, head dims)
 into bench/results/sweep_backends.json. Whatever the rule in
-``choose_backend`` becomes, on each measured class it must pick a kernel
+``select.flashinfer_backend`` becomes, on each measured class it must pick a kernel
 within 3% of the faster one.
 """
 
@@ -15,7 +15,7 @@ import pathlib
 import pytest
 import torch
 
-from ragged_compile.backends import flashinfer as fi
+from ragged_compile.backends import select
 
 SWEEP = pathlib.Path(__file__).resolve().parents[1] / "bench" / "results" / "sweep_backends.json"
 ROWS = [r for r in json.loads(SWEEP.read_text())["rows"] if "error" not in r]
@@ -23,7 +23,7 @@ ROWS = [r for r in json.loads(SWEEP.read_text())["rows"] if "error" not in r]
 
 @pytest.fixture
 def sm90(monkeypatch):
-    monkeypatch.setattr(fi, "_is_sm90", lambda index: True)
+    monkeypatch.setattr(select, "_is_sm90", lambda index: True)
 
 
 def _name(r):
@@ -32,7 +32,7 @@ def _name(r):
 
 @pytest.mark.parametrize("row", ROWS, ids=_name)
 def test_auto_is_within_3_percent_of_the_faster_kernel(sm90, row):
-    pick = fi.choose_backend(
+    pick = select.flashinfer_backend(
         "auto", torch.device("cuda", 0), row["n"], row["total"],
         hq=row["hq"], hkv=row["hkv"], head_dim=row["d"], causal=row["causal"],
     )
@@ -49,12 +49,12 @@ def test_sweep_covers_what_the_rule_distinguishes():
 
 
 def test_explicit_backend_passes_through_and_old_gpus_get_fa2(monkeypatch):
-    assert fi.choose_backend("fa3", torch.device("cuda", 0), 4, 32768) == "fa3"
-    monkeypatch.setattr(fi, "_is_sm90", lambda index: False)
-    assert fi.choose_backend("auto", torch.device("cuda", 0), 4, 32768, hq=16, hkv=16) == "fa2"
+    assert select.flashinfer_backend("fa3", torch.device("cuda", 0), 4, 32768) == "fa3"
+    monkeypatch.setattr(select, "_is_sm90", lambda index: False)
+    assert select.flashinfer_backend("auto", torch.device("cuda", 0), 4, 32768, hq=16, hkv=16) == "fa2"
 
 
 def test_gqa_between_measured_group_sizes_is_monotone(sm90):
     # group 2 lies between groups 1 and 4 on short segments
-    r1, r2, r4 = (fi.predicted_fa3_over_fa2(63, 16, hkv, 128, False) for hkv in (16, 8, 4))
+    r1, r2, r4 = (select.predicted_fa3_over_fa2(63, 16, hkv, 128, False) for hkv in (16, 8, 4))
     assert min(r1, r4) <= r2 <= max(r1, r4)

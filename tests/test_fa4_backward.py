@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from ragged_compile import train_ops
+from ragged_compile import ops, reference
+from ragged_compile.backends import select
 from ragged_compile.backends import fa4_backward
 from ragged_compile.reference import reference_attention, reference_attention_backward
 
@@ -85,7 +86,7 @@ def _case(lq, lk, hq=4, hkv=2, d=8, seed=0, dtype=torch.float64):
 
 def _grads(q, k, v, go, cq, ck, causal, scale):
     out = reference_attention(q, k, v, cq, ck, causal, scale)
-    lse = train_ops.reference_lse(q, k, cq, ck, causal, scale)
+    lse = reference.reference_lse(q, k, cq, ck, causal, scale)
     return fa4_backward.backward(go, q, k, v, out, lse, cq, ck, causal, scale)
 
 
@@ -110,7 +111,7 @@ def test_gradients_match_the_exact_reference(fa4, lq, lk, causal, hq, hkv):
 
 
 def test_head_dims_fa4_gets_wrong_are_padded_with_the_true_scale(fa4):
-    assert [fa4_backward.padded_head_dim(d) for d in (32, 64, 72, 80, 96, 100, 128, 160, 256)] == [
+    assert [fa4_backward.fa4_head_dim(d) for d in (32, 64, 72, 80, 96, 100, 128, 160, 256)] == [
         64, 64, 96, 96, 96, 128, 128, 256, 256,
     ]
     q, k, v, go, cq, ck = _case([6, 3], [4, 9], 2, 2, d=72)
@@ -160,25 +161,25 @@ def test_the_contract_model_leaks_without_the_padding(fa4, monkeypatch):
 def test_backward_kernel_choice(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa2")
-    assert train_ops.backward_kernel(cpu, torch.bfloat16, 128) == "fa2"
+    assert select.backward_kernel(cpu, torch.bfloat16, 128) == "fa2"
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
-    assert train_ops.backward_kernel(cpu, torch.bfloat16, 128) == "fa2"
+    assert select.backward_kernel(cpu, torch.bfloat16, 128) == "fa2"
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa4")
     with pytest.raises(RuntimeError, match="RAGGED_COMPILE_BACKWARD=fa4, but flash-attn-4 is CUDA-only"):
-        train_ops.backward_kernel(cpu, torch.bfloat16, 128)
+        select.backward_kernel(cpu, torch.bfloat16, 128)
     monkeypatch.setattr(fa4_backward, "unsupported_reason", lambda *a: None)
-    assert train_ops.backward_kernel(cpu, torch.bfloat16, 128) == "fa4"
+    assert select.backward_kernel(cpu, torch.bfloat16, 128) == "fa4"
     torch.use_deterministic_algorithms(True)
     try:
         with pytest.raises(RuntimeError, match="not bitwise deterministic"):
-            train_ops.backward_kernel(cpu, torch.bfloat16, 128)
+            select.backward_kernel(cpu, torch.bfloat16, 128)
         monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
-        assert train_ops.backward_kernel(cpu, torch.bfloat16, 128) == "fa2"
+        assert select.backward_kernel(cpu, torch.bfloat16, 128) == "fa2"
     finally:
         torch.use_deterministic_algorithms(False)
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa5")
     with pytest.raises(ValueError, match="must be one of"):
-        train_ops.backward_kernel(cpu, torch.bfloat16, 128)
+        select.backward_kernel(cpu, torch.bfloat16, 128)
 
 
 def test_unsupported_reasons_name_the_limit(monkeypatch):
@@ -196,10 +197,10 @@ def test_floods_of_short_segments_stay_on_fa2(monkeypatch):
     cuda = torch.device("cuda", 0)
     assert fa4_backward.pads_little(16, 34043, 34043) and not fa4_backward.pads_little(300, 9000, 9000)
     assert not fa4_backward.pads_little(16, 34043, 77 * 16)  # short text k/v of a cross-attention
-    assert train_ops.backward_kernel(cuda, torch.bfloat16, 128, (16, 34043, 34043)) == "fa4"
-    assert train_ops.backward_kernel(cuda, torch.bfloat16, 128, (300, 9000, 9000)) == "fa2"
+    assert select.backward_kernel(cuda, torch.bfloat16, 128, (16, 34043, 34043)) == "fa4"
+    assert select.backward_kernel(cuda, torch.bfloat16, 128, (300, 9000, 9000)) == "fa2"
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa4")  # asked for: used anyway
-    assert train_ops.backward_kernel(cuda, torch.bfloat16, 128, (300, 9000, 9000)) == "fa4"
+    assert select.backward_kernel(cuda, torch.bfloat16, 128, (300, 9000, 9000)) == "fa4"
 
 
 def test_a_failing_fa4_kernel_falls_back_to_fa2_once_with_a_warning(monkeypatch, caplog):
@@ -220,20 +221,20 @@ def test_a_failing_fa4_kernel_falls_back_to_fa2_once_with_a_warning(monkeypatch,
 
     monkeypatch.setattr(fa4_backward, "backward", broken)
     monkeypatch.setattr(fa4_backward, "pads_little", lambda *a: True)
-    monkeypatch.setattr(train_ops.flash_backward, "backward", lambda *a: calls.append("fa2") or ("dq", "dk", "dv"))
+    monkeypatch.setattr(ops.flash_backward, "backward", lambda *a: calls.append("fa2") or ("dq", "dk", "dv"))
     q, k, v, go, cq, ck = _case([6, 4], [6, 4], dtype=torch.bfloat16)
     args = (go, q, k, v, q, torch.zeros(4, 10), cq, ck, torch.tensor([6, 6]), False, 0.3)
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
     with caplog.at_level("WARNING", logger="ragged_compile"):
-        assert train_ops._cuda_backward(*args) == ("dq", "dk", "dv")
-        assert train_ops._cuda_backward(*args) == ("dq", "dk", "dv")
+        assert ops._ragged_attention_lse_backward_cuda(*args) == ("dq", "dk", "dv")
+        assert ops._ragged_attention_lse_backward_cuda(*args) == ("dq", "dk", "dv")
     assert calls == ["fa4", "fa2", "fa2"]
     warned = [r.getMessage() for r in caplog.records if "DSL compile error" in r.getMessage()]
     assert len(warned) == 1 and "FlashAttention-2" in warned[0]
     monkeypatch.setattr(fa4_backward, "_disabled", None)
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa4")
     with pytest.raises(RuntimeError, match="DSL compile error"):
-        train_ops._cuda_backward(*args)
+        ops._ragged_attention_lse_backward_cuda(*args)
     assert real_reason(torch.device("cpu"), torch.bfloat16, 128) == "flash-attn-4 is CUDA-only"
 
 

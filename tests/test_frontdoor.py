@@ -53,11 +53,10 @@ def ours(monkeypatch):
         return spy
 
     # The op's CPU kernels: the fused CPU kernel (inference op and, with grad,
-    # the LSE pair of train_ops.py) and the reference (float64).
+    # the LSE pair of ops.py) and the reference (float64).
     from ragged_compile.backends import cpu as cpu_kernel
 
     monkeypatch.setattr(rc_ops, "reference_attention", spying(rc_ops.reference_attention))
-    monkeypatch.setattr(rc_ops, "cpu_attention", spying(rc_ops.cpu_attention))
     monkeypatch.setattr(cpu_kernel, "cpu_attention", spying(cpu_kernel.cpu_attention))
     return count
 

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
-from ragged_compile import hf, hf_towers  # noqa: E402
+from ragged_compile import hf, hf_towers, logs  # noqa: E402
 
 NAME = hf.register()
 
@@ -39,7 +39,7 @@ class Count(TorchDispatchMode):
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
-    hf._warned.clear()
+    logs._seen.clear()
 
 
 def build(cls, config, seed=0):

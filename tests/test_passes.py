@@ -302,20 +302,34 @@ def test_njt_sdpa_forced_onto_flash_is_rewritten_by_the_pass_alone(monkeypatch, 
 
 
 def test_each_pass_uuid_hashes_its_own_source():
+    from ragged_compile.backends import select
+
     kinds = (passes.FlashVarlenPass, passes.EfficientVarlenPass, passes.VarlenAttnPass)
     uuids = [cls().uuid() for cls in kinds]
     assert len(set(uuids)) == 3 and uuids == [cls().uuid() for cls in kinds]
     for cls, u in zip(kinds, uuids):
-        assert u == passes._hash_source(cls, passes._AttentionPass, *passes._HELPERS)
+        assert u == f"{cls.__name__}:{passes._hash_source(passes, select)}"
 
 
-def test_uuid_changes_with_source(monkeypatch):
+@pytest.mark.parametrize("edited", ["passes", "select"])
+def test_uuid_changes_with_source(monkeypatch, edited):
+    """A pass keys Inductor's cache on the sources of its module (every pass and
+    helper) and of the support rules it asks: editing either changes it."""
+    from ragged_compile.backends import select
+
+    module = {"passes": passes, "select": select}[edited]
+    passes._hash_source.cache_clear()
     before = passes.FlashVarlenPass().uuid()
+    assert before != passes.VarlenAttnPass().uuid()
     real = inspect.getsource
-    monkeypatch.setattr(
-        passes.inspect, "getsource", lambda obj: real(obj) + ("#edited" if obj is passes._scale else "")
-    )
-    assert passes.FlashVarlenPass().uuid() != before
+    monkeypatch.setattr(passes.inspect, "getsource", lambda obj: real(obj) + ("#edited" if obj is module else ""))
+    passes._hash_source.cache_clear()
+    try:
+        assert passes.FlashVarlenPass().uuid() != before
+    finally:
+        monkeypatch.undo()
+        passes._hash_source.cache_clear()
+    assert passes.FlashVarlenPass().uuid() == before
 
 
 def test_manager_runs_user_pass_first_and_keys_on_its_uuid():

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ragged_compile as rc
-from ragged_compile.runtime import OffsetsCache, _IMPLICIT_LAYOUTS
+from ragged_compile.steps import IMPLICIT_LAYOUTS, OffsetsCache
 
 
 def _cu(lens, device="cpu"):
@@ -108,9 +108,9 @@ def test_implicit_step_reads_each_offsets_tensor_once_and_renews_when_stale():
 
 def test_implicit_step_is_renewed_after_its_layout_budget():
     rt = rc.Runtime("cpu")
-    alive = [_cu([i + 1, 9 - i]) for i in range(_IMPLICIT_LAYOUTS + 1)]
+    alive = [_cu([i + 1, 9 - i]) for i in range(IMPLICIT_LAYOUTS + 1)]
     first = rt._step_for(alive[0], alive[0])
-    for cu in alive[:_IMPLICIT_LAYOUTS]:
+    for cu in alive[:IMPLICIT_LAYOUTS]:
         step = rt._step_for(cu, cu)
         assert step is first
         step.layout_for(cu, cu, 10, 10)
@@ -320,7 +320,6 @@ def test_inference_mode_offsets_work_in_explicit_steps_and_rc_compile():
 def fake_flashinfer(monkeypatch):
     _fake_flashinfer.install(monkeypatch)
     rt = rc.Runtime("cpu", backend="fa2", workspace_bytes=64)
-    monkeypatch.setattr(rt, "unsupported_reason", lambda q: None)
 
     def call(q, k, v, cu_q, cu_k, causal=True, scale=0.3):
         """What Runtime.attention does on CUDA, on CPU tensors."""
@@ -394,7 +393,7 @@ def test_fake_backend_threads_never_share_a_planned_wrapper(fake_flashinfer):
                 with rt.step() if it % 2 else contextlib.nullcontext():
                     step = rt._step_for(cu, cu)
                     step.layout_for(cu, cu, 60, 60)
-                    slot = rt._plan(step, step.layout_for(cu, cu, 60, 60), 2, 2, 8, q.dtype, True, 0.3)
+                    slot = rt.plan(step, step.layout_for(cu, cu, 60, 60), 2, 2, 8, q.dtype, True, 0.3)
                     barrier.wait()
                     out = slot.wrapper.run(q, k, v)
                 if not torch.equal(out, wants[(i + it) % len(layouts)]):

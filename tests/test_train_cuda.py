@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ragged_compile as rc
-from ragged_compile import train_ops
+from ragged_compile import logs
 from ragged_compile.backends import fa4_backward, flash_backward
 from ragged_compile.reference import dense_gradients
 from ragged_compile.runtime import Runtime
@@ -165,7 +165,7 @@ def test_inference_pays_no_lse(monkeypatch):
 
 def test_fp32_trains_on_the_reference_with_one_warning(caplog):
     q, k, v, cq, ck = _case([9, 0, 4], [9, 0, 4], 4, 2, 32, dtype=torch.float32)
-    train_ops._warned.clear()
+    logs._seen.clear()
     with caplog.at_level(logging.WARNING, logger="ragged_compile"):
         for _ in range(2):
             rc.ragged_attention(q, k, v, cq, causal=True).sum().backward()

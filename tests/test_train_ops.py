@@ -1,4 +1,4 @@
-"""The training ops (train_ops.py) and the fused-backward wrapper, on CPU.
+"""The training ops (the LSE pair of ops.py) and the fused-backward wrapper, on CPU.
 
 The CUDA kernels themselves run in tests/test_train_cuda.py. Here: schemas, fake
 kernels and autograd through ``opcheck``; the exact LSE; and the wrapper around
@@ -13,9 +13,8 @@ import math
 import pytest
 import torch
 
-from ragged_compile import train_ops
-from ragged_compile.backends import flash_backward
-from ragged_compile.reference import dense_gradients
+from ragged_compile.backends import flash_backward, select
+from ragged_compile.reference import dense_gradients, reference_lse
 
 
 def _inputs(lq, lk, hq=4, hkv=2, d=8, dtype=torch.float32, seed=0, grad=True):
@@ -65,7 +64,7 @@ def test_lse_is_the_softmax_normaliser(causal):
     lq, lk = [3, 0, 4, 2], [2, 5, 0, 6]
     q, k, v, cq, ck = _inputs(lq, lk, dtype=torch.float64, grad=False)
     scale = 0.37
-    lse = train_ops.reference_lse(q, k, cq, ck, causal, scale)
+    lse = reference_lse(q, k, cq, ck, causal, scale)
     assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
     for i in range(len(lq)):
         Lq, Lk = lq[i], lk[i]
@@ -125,7 +124,7 @@ def test_flash_backward_wrapper_matches_dense_autograd(monkeypatch, d, causal, l
     g = torch.randn(q.shape, dtype=torch.float64)
     out, *want = dense_gradients(g, q, k, v, cq, ck, causal, scale)
     # FlashInfer's LSE: [Tq, Hq], base 2, -inf for keyless rows.
-    lse_ln = train_ops.reference_lse(q.detach(), k.detach(), cq, ck, causal, scale)
+    lse_ln = reference_lse(q.detach(), k.detach(), cq, ck, causal, scale)
     fi_lse = (lse_ln / math.log(2.0)).t().contiguous()
     fi_lse[torch.isinf(fi_lse)] = -math.inf
     lse = flash_backward.lse_from_flashinfer(fi_lse)
@@ -161,7 +160,7 @@ def test_unsupported_reasons_name_the_limit():
     cuda = torch.device("cuda", 0)
     assert "float32" in flash_backward.unsupported_reason(cuda, torch.float32, 64)
     assert "256" in flash_backward.unsupported_reason(cuda, torch.bfloat16, 320)
-    assert "symbolic" in train_ops.training_unsupported_reason(cuda, torch.bfloat16, object())
+    assert "symbolic" in select.training_reason(cuda, torch.bfloat16, object())
 
 
 def _targets(fn, *args):

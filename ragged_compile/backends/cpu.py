@@ -37,14 +37,13 @@ costs ~1.25x forward+backward against a saved LSE (bench/results/cpu.md).
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["takes", "cpu_attention", "cpu_attention_backward", "plan", "Plan", "Call", "Piece"]
+__all__ = ["cpu_attention", "cpu_attention_backward", "plan", "Plan", "Call", "Piece"]
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -293,13 +292,6 @@ def _prepare(x):
 
 def _inputs(c: Call, qf, kf, vf):
     return _gather(qf, c.q, c.B, c.Pq), _gather(kf, c.k, c.B, c.Pk), _gather(vf, c.k, c.B, c.Pk)
-
-
-def takes(q: torch.Tensor) -> bool:
-    """Whether this kernel runs a call: CPU tensors other than float64. Other
-    devices without a kernel of their own, float64 and RAGGED_COMPILE_REFERENCE=1
-    run the reference, which stays the oracle, reachable for debugging."""
-    return q.device.type == "cpu" and q.dtype != torch.float64 and not os.environ.get("RAGGED_COMPILE_REFERENCE")
 
 
 def cpu_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, return_lse=False):

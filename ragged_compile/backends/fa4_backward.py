@@ -22,14 +22,11 @@ its source and probed on the H200 against float64 autograd):
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["installed", "unsupported_reason", "backward", "padded_head_dim"]
-
-log = logging.getLogger("ragged_compile")
+__all__ = ["installed", "unsupported_reason", "backward", "fa4_head_dim"]
 
 DTYPES = (torch.float16, torch.bfloat16)
 _HEAD_DIMS = (64, 96, 128, 256)  # verified on the H200; others pad up to one of these
@@ -40,7 +37,8 @@ _MAX_TILE = 128  # the largest tile of either side on SM90
 _disabled: str | None = None
 
 
-def padded_head_dim(d: int) -> int:
+def fa4_head_dim(d: int) -> int:
+    """The head dim the kernel computes ``d`` at (inputs are zero-padded to it)."""
     return next(p for p in _HEAD_DIMS if p >= d)
 
 
@@ -154,7 +152,7 @@ def backward(
     Tq, Tk, d = q.shape[0], k.shape[0], q.shape[-1]
     if cu_q.numel() <= 1 or Tq == 0 or Tk == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dp = padded_head_dim(d)
+    dp = fa4_head_dim(d)
     tile_m, tile_n = _tiles(dp, causal)
     cu_pq, lens_q, dst_q, rows_q = _padded_layout(cu_q, Tq, tile_m)
     cu_pk, lens_k, dst_k, rows_k = _padded_layout(cu_k, Tk, tile_n)

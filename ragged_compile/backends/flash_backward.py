@@ -2,7 +2,8 @@
 as the CUDA backward of the op. It ships in every CUDA wheel of torch (SM80+).
 
 Contract of the aten kernel (torch 2.11 and 2.13, read from
-``torch/nn/attention/varlen.py`` and probed on the H200; see shared/NOTES.md):
+``torch/nn/attention/varlen.py`` and ``aten/src/ATen/native/transformers/cuda/attention_backward.cu``,
+and probed on the H200):
 
 * ``logsumexp`` is fp32 ``[Hq, Tq]``, natural log, softmax scale included;
   rows that see no key must hold ``+inf`` (their probabilities are then 0).
@@ -27,7 +28,7 @@ import torch
 
 from . import pad_head_dim
 
-__all__ = ["available", "unsupported_reason", "lse_from_flashinfer", "backward"]
+__all__ = ["available", "unsupported_reason", "fa2_head_dim", "lse_from_flashinfer", "backward"]
 
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16)
@@ -68,15 +69,24 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     return unsupported_reason(device, dtype, head_dim) is None
 
 
-def lse_from_flashinfer(lse: torch.Tensor) -> torch.Tensor:
-    """FlashInfer's ``[Tq, Hq]`` base-2 LSE -> aten's ``[Hq, Tq]`` natural-log LSE.
+def fa2_head_dim(d: int) -> int:
+    """The head dim the kernel computes ``d`` at: the next multiple of 8."""
+    return -(-d // 8) * 8
+
+
+def lse_from_flashinfer(lse: torch.Tensor, *, natural_hn: bool = False) -> torch.Tensor:
+    """FlashInfer's LSE -> aten's ``[Hq, Tq]`` natural-log LSE. ``natural_hn``: it
+    is already ``[Hq, Tq]`` in natural log (FlashInfer's ``lse_layout="HN",
+    lse_base="ln"``); else ``[Tq, Hq]`` base 2.
 
     Keyless rows: FlashInfer's ``-inf`` becomes ``+inf``, which makes their
     probabilities ``exp(s - lse) = 0`` in the backward (``-inf`` would make
-    ``exp(-inf + inf)`` NaN for the masked scores of a causal blind row).
+    ``exp(-inf + inf)`` NaN for the masked scores of a causal blind row). NaN
+    (from a NaN in that segment) stays NaN.
     """
-    out = (lse.float() * _LN2).t().contiguous()
-    return out.masked_fill_(out == -math.inf, math.inf)
+    if not natural_hn:
+        lse = (lse.float() * _LN2).t().contiguous()
+    return lse.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=math.inf)
 
 
 def backward(
@@ -104,7 +114,7 @@ def backward(
         # rejects n == 0 and fails on max_k == 0).
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     d = q.shape[-1]
-    dp = -(-d // 8) * 8
+    dp = fa2_head_dim(d)
     dq, dk, dv = _kernel(
         pad_head_dim(grad_out.to(q.dtype), dp),
         pad_head_dim(q, dp),
@@ -118,13 +128,19 @@ def backward(
         max_k,
         0.0,
         causal,
-        torch.zeros(2, dtype=torch.uint64, device=q.device),  # no dropout: rng state unused
-        torch.empty(0, device=q.device),
+        *_unused_state(q.device),
         scale=scale,
     )
     if dp != d:
         dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., :d]
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@functools.cache
+def _unused_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # No dropout: the kernel reads neither its rng state nor the "unused" tensor,
+    # so one pair per device serves every call (and allocates nothing per call).
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
 
 
 def _kernel(*args, **kwargs):

@@ -1,6 +1,6 @@
 """Where graph mode's GPU time goes: kernel by kernel, eager vs graphed.
 
-    python bench/profile_cudagraph.py [--out DIR]
+    python bench/profile/profile_cudagraph.py [--out DIR]
 
 torch.profiler CUDA time per kernel name per step, eager (``runtime.step``) vs
 graphed, for the 8-layer encoder of bench_cudagraph.py on the mixed16 and
@@ -17,22 +17,22 @@ import traceback
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/
 
 import ragged_compile as rc  # noqa: E402
-from bench_cudagraph import Encoder, cu_of, random_lens  # noqa: E402
+from bench_cudagraph import encoder  # noqa: E402
 from env import environment  # noqa: E402
+from layouts import cu_seqlens, random_lengths  # noqa: E402
 from timing import kernel_times, time_fn  # noqa: E402
 
 
 def profile_encoder(layouts, bucket):
     torch.manual_seed(0)
-    model = Encoder().to("cuda", torch.bfloat16).eval()
+    model = encoder().to("cuda", torch.bfloat16).eval()
     rt = rc.Runtime()
     lens = layouts[0]
     x = torch.randn(sum(lens), 2048, device="cuda", dtype=torch.bfloat16)
-    cu = cu_of(lens)
+    cu = cu_seqlens(lens)
     g = rt.graphed(model, [bucket])
     res = {}
     with torch.no_grad():
@@ -44,7 +44,7 @@ def profile_encoder(layouts, bucket):
         S, ceiling = bucket
         plens = list(lens) + [0] * (S - len(lens)) + [ceiling - sum(lens)]
         xp = torch.cat([x, x.new_zeros(ceiling - x.shape[0], x.shape[1])])
-        cup = cu_of(plens)
+        cup = cu_seqlens(plens)
 
         def eager_padded():
             with rt.step(plens):
@@ -84,11 +84,14 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA; nothing to measure here")
+        return 0
     result = {"environment": environment(), "kernels": {}}
     gen = torch.Generator().manual_seed(0)
     cases = {
-        "encoder8_mixed16": ([random_lens(gen, 16, 64, 4096, total=34000)], (16, 34000)),
-        "encoder8_short250": ([random_lens(gen, 250, 16, 256, total=34000)], (256, 34000)),
+        "encoder8_mixed16": ([random_lengths(16, 64, 4096, gen, total=34000)], (16, 34000)),
+        "encoder8_short250": ([random_lengths(250, 16, 256, gen, total=34000)], (256, 34000)),
     }
     try:
         result["gemm"] = gemm_check()

@@ -1,6 +1,6 @@
 """Where the encoder training step's time and memory go, per implementation.
 
-    python bench/profile_train.py [--out DIR] [--variants ours,varlen_compiled,...]
+    python bench/profile/profile_train.py [--out DIR] [--variants ours,varlen_compiled,...]
 
 For the 8-layer d=2048 encoder of bench_train.py on the mixed layout, each
 variant runs in its own process (clean allocator and compile caches) and
@@ -29,9 +29,8 @@ import tempfile
 import traceback
 from collections import Counter
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCH)
 
 VARIANTS = ["ours", "ours_backed", "ours_static", "ours_varlen", "varlen_compiled", "njt_sdpa_compiled"]
 
@@ -59,55 +58,28 @@ def run_variant(name: str, args) -> dict:
     import torch._dynamo
 
     import bench_train as bt
-    import ragged_compile as rc
     import ragged_compile.compiler as compiler
+    from ragged_compile.runtime import get_runtime
     from timing import kernel_times
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     if name == "ours_backed":
         orig = compiler._dynamic_layouts
         compiler._dynamic_layouts = lambda njts, unbacked: orig(njts, unbacked=False)
-    dev, dt = torch.device(args.device), torch.bfloat16
+    dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     mem = torch.cuda.memory_allocated if cuda else (lambda: 0)
-    lens = bt.lengths("mixed", args.smoke)
-    d, heads, layers = (256, 4, 2) if args.smoke else (2048, 16, 8)
-    T = sum(lens)
-    cu = torch.tensor([0] + lens).cumsum(0).to(dev, torch.int32)
-    m = max(lens)
-    g = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(T, d, device=dev, generator=g).to(dt)
-    target = torch.randn(T, d, device=dev, generator=g).to(dt)
-    x_njt = torch.nested.nested_tensor_from_jagged(x, cu.long(), min_seqlen=min(lens), max_seqlen=m)
-    torch.manual_seed(0)
-    mdl = bt.Encoder(d, heads, layers).to(dev, dt)
-    varlen_attn, kw, _ = bt._varlen_kwargs(False, False)
-
-    def packed_attention(q, k, v):
-        return varlen_attn(q, k, v, cu, cu, m, m, **kw)
-
-    if name in ("ours", "ours_backed"):
-        fn, inp, values = rc.compile(mdl), x_njt, lambda o: o.values()
-    elif name == "ours_static":
-        fn, inp, values = rc.compile(mdl, dynamic=False), x_njt, lambda o: o.values()
-    elif name == "ours_varlen":
-        fn, inp, values = rc.compile(bt._with_attention(mdl, packed_attention)), x, lambda o: o
-    elif name == "varlen_compiled":
-        fn, inp, values = torch.compile(bt._with_attention(mdl, packed_attention)), x, lambda o: o
-    elif name == "njt_sdpa_compiled":
-        fn, inp, values = torch.compile(mdl), x_njt, lambda o: o.values()
-    else:
-        raise ValueError(name)
+    s = bt.e2e_setup(dev, args.smoke)
+    mdl = s.model
+    fn, inp = bt.e2e_variant("ours" if name == "ours_backed" else name, mdl, s)
     opt = torch.optim.AdamW(mdl.parameters(), lr=1e-5)
-    from ragged_compile.runtime import get_runtime
-
     rt = get_runtime(dev)
 
     def step():
-        return bt.train_step(opt, fn, inp, values, target)
+        return bt.train_step(opt, fn, inp, s.target)
 
-    res = {"tokens": T, "d": d, "layers": layers}
+    res = {"tokens": s.tokens, "d": s.d, "layers": s.layers}
     step()
     step()
     sync()
@@ -118,7 +90,7 @@ def run_variant(name: str, args) -> dict:
     opt.zero_grad(set_to_none=True)
     sync()
     before = mem()
-    loss = (values(fn(inp)).float() - target.float()).square().mean()
+    loss = bt.loss_of(fn, inp, s.target)
     sync()
     res["activations_gib"] = (mem() - before) / 2**30
     loss.backward()
@@ -129,7 +101,7 @@ def run_variant(name: str, args) -> dict:
         return res
     torch.cuda.reset_peak_memory_stats()
     base = mem()
-    res.update(bt.time_ms(step, args.reps, warmup=1))
+    res.update(bt.timed(step, dev, args.reps, warmup=1))
     res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     res["peak_over_resident_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
     res["resident_gib"] = base / 2**30
@@ -141,15 +113,19 @@ def run_variant(name: str, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--out", default=os.path.join(BENCH, "results"))
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--reps", type=int, default=6)
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default=None, help="default: cuda if there is one, else cpu")
     p.add_argument("--child", default=None)
     p.add_argument("--child-out", default=None)
     args = p.parse_args()
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.child:
         try:
             res = run_variant(args.child, args)

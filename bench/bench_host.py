@@ -1,0 +1,356 @@
+"""Host cost per call, and the small-batch encoders it decides: ours against stock,
+side by side in one process.
+
+Rows (``--only`` picks sections):
+
+* ``op``: microseconds per attention call, eager, back to back, on a batch small
+  enough that the host decides the time: ``rc.ragged_attention`` inside a runtime
+  step with the layout planned (inference and forward+backward), the same call
+  through the dispatcher (``torch.ops.ragged_compile.ragged_attention``), dense
+  ``F.scaled_dot_product_attention`` on the padded batch, ``varlen_attn`` where
+  torch has it, FlashInfer's ``wrapper.run`` alone.
+* ``njt``: NJT SDPA under ``rc.enable()`` against stock NJT SDPA, per call.
+* ``hf``: a BERT-base encoder (12 layers, 768 hidden, 12 heads, random weights),
+  bf16, padded batches of random lengths L/2..L: ``"sdpa"`` against
+  ``hf.register()``, forward ms and device-to-host syncs per forward.
+* ``train``: training steps (forward, backward, AdamW; attention dropout 0) of
+  BERT-base 64 x 256 and BERT-large 32 x 512, ~50% padding: ``"sdpa"`` (cuDNN's
+  fused attention on Hopper) against ours, ms and syncs per step.
+
+``--smoke`` runs tiny sizes on whatever device there is (CPU included), to check
+the plumbing. Writes ``host.json`` (every number, the environment) and
+``host.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from env import environment  # noqa: E402
+from timing import time_fn  # noqa: E402
+
+import ragged_compile as rc  # noqa: E402
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def per_call_us(fn, dev, reps: int) -> float:
+    """Host wall microseconds per call of ``fn()`` back to back, synced at the end only:
+    the host's cost per call wherever it, not the GPU, is the bottleneck."""
+    for _ in range(max(3, reps // 10)):
+        fn()
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    _sync(dev)
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+class SyncCount:
+    """Device-to-host syncs inside the block (CUDA's sync debug mode, counted)."""
+
+    def __init__(self, dev):
+        self.dev, self.n = dev, 0
+
+    def __enter__(self):
+        if self.dev.type == "cuda":
+            self._w = warnings.catch_warnings(record=True)
+            self._log = self._w.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(1)
+        return self
+
+    def __exit__(self, *exc):
+        if self.dev.type == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+            self._w.__exit__(*exc)
+            self.n = sum("called a synchronizing" in str(w.message) for w in self._log)
+        return False
+
+
+# -- op ----------------------------------------------------------------------------------
+
+
+def _packed(lens, hq, hkv, d, dtype, dev, grad=False, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, d, generator=g).to(dev, dtype).requires_grad_(grad) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0] + list(lens), dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev)
+    return q, k, v, cu
+
+
+def op_rows(dev, dtype, lens, heads, d, reps) -> dict:
+    hq = hkv = heads
+    q, k, v, cu = _packed(lens, hq, hkv, d, dtype, dev)
+    rows = {}
+    rt = rc.Runtime(dev) if dev.type == "cuda" else None
+    with torch.no_grad():
+        if rt is not None:
+            with rt.step(lens):
+                rows["ours"] = per_call_us(lambda: rc.ragged_attention(q, k, v, cu), dev, reps)
+                rows["ours_dispatcher"] = per_call_us(
+                    lambda: torch.ops.ragged_compile.ragged_attention(q, k, v, cu, cu, False, d**-0.5), dev, reps
+                )
+                rows["plans"] = rt.stats["plans"]
+        else:
+            rows["ours"] = per_call_us(lambda: rc.ragged_attention(q, k, v, cu), dev, reps)
+        b, s = len(lens), max(lens)
+        qd = torch.randn(b, hq, s, d, device=dev, dtype=dtype)
+        rows["sdpa_dense"] = per_call_us(lambda: F.scaled_dot_product_attention(qd, qd, qd), dev, reps)
+        varlen = getattr(getattr(torch.nn.attention, "varlen", None), "varlen_attn", None)
+        if varlen is not None and dev.type == "cuda":
+            m = max(lens)
+            rows["varlen_attn"] = per_call_us(lambda: varlen(q, k, v, cu, cu, m, m), dev, reps)
+        if rt is not None:
+            from ragged_compile.backends import flashinfer as fi
+
+            w = fi.make_wrapper(rt.workspace(), "fa2")
+            fi.plan(w, cu.cpu(), cu.cpu(), hq, hkv, d, dtype, False, d**-0.5)
+            rows["flashinfer_run"] = per_call_us(lambda: w.run(q, k, v), dev, reps)
+    if rt is not None:
+        qg, kg, vg, _ = _packed(lens, hq, hkv, d, dtype, dev, grad=True)
+        go = torch.randn_like(qg)
+
+        def train():
+            out = rc.ragged_attention(qg, kg, vg, cu)
+            torch.autograd.backward(out, go)
+
+        with rt.step(lens):
+            rows["ours_fwd_bwd"] = per_call_us(train, dev, reps // 2)
+        qgd = qd.clone().requires_grad_(True)
+        god = torch.randn_like(qgd)
+        rows["sdpa_dense_fwd_bwd"] = per_call_us(
+            lambda: torch.autograd.backward(F.scaled_dot_product_attention(qgd, qgd, qgd), god), dev, reps // 2
+        )
+        if varlen is not None:
+            m = max(lens)
+            rows["varlen_attn_fwd_bwd"] = per_call_us(
+                lambda: torch.autograd.backward(varlen(qg, kg, vg, cu, cu, m, m), go), dev, reps // 2
+            )
+    return rows
+
+
+def profile_rows(dev, dtype, lens, heads, d, steps=20) -> dict:
+    """torch.profiler tables (self CPU time per op) of the inference call and of the
+    forward+backward call: where the host time of one call goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, cu = _packed(lens, heads, heads, d, dtype, dev)
+    qg, kg, vg, _ = _packed(lens, heads, heads, d, dtype, dev, grad=True)
+    go = torch.randn_like(qg)
+    rt = rc.Runtime(dev)
+    tables = {}
+    for name, fn in {
+        "inference": lambda: rc.ragged_attention(q, k, v, cu),
+        "fwd_bwd": lambda: torch.autograd.backward(rc.ragged_attention(qg, kg, vg, cu), go),
+    }.items():
+        with rt.step(lens):
+            grad = torch.enable_grad() if name == "fwd_bwd" else torch.no_grad()
+            with grad:
+                for _ in range(5):
+                    fn()
+                _sync(dev)
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(steps):
+                        fn()
+                    _sync(dev)
+        tables[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        print(f"== profile {name} ({steps} calls)\n{tables[name]}", flush=True)
+    return tables
+
+
+def njt_rows(dev, dtype, lens, heads, d, reps) -> dict:
+    xs = [torch.randn(n, heads * d, device=dev, dtype=dtype) for n in lens]
+    x = torch.nested.nested_tensor(xs, layout=torch.jagged)
+
+    def call():
+        h = x.unflatten(-1, (heads, d)).transpose(1, 2)
+        return F.scaled_dot_product_attention(h, h, h)
+
+    rows = {}
+    with torch.no_grad():
+        if dev.type == "cuda":
+            rows["stock_njt_sdpa"] = per_call_us(call, dev, reps)
+        with rc.enable():
+            rows["ours_enable"] = per_call_us(call, dev, reps)
+    return rows
+
+
+# -- transformers --------------------------------------------------------------------------
+
+
+def _bert(dev, dtype, layers, hidden, heads, attn):
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(
+        vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=4 * hidden, attention_probs_dropout_prob=0.0, max_position_embeddings=1024,
+    )
+    torch.manual_seed(0)
+    model = BertModel(cfg, add_pooling_layer=False).to(dev, dtype)
+    model.set_attn_implementation(attn)
+    return model
+
+
+def _padded_batch(b, s, dev, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(max(1, s // 2), s + 1, (b,), generator=g)
+    ids = torch.randint(1000, 30000, (b, s), generator=g)
+    mask = (torch.arange(s)[None, :] < lens[:, None]).long()
+    return ids.to(dev), mask.to(dev), lens
+
+
+def hf_rows(dev, dtype, shapes, layers, hidden, heads, target_s) -> list[dict]:
+    from ragged_compile import hf
+
+    name = hf.register()
+    rows = []
+    models = {"sdpa": _bert(dev, dtype, layers, hidden, heads, "sdpa")}
+    models["ours"] = _bert(dev, dtype, layers, hidden, heads, name)
+    models["ours"].load_state_dict(models["sdpa"].state_dict())
+    for b, s in shapes:
+        ids, mask, lens = _padded_batch(b, s, dev)
+        row = {"batch": b, "length": s, "real_tokens": int(lens.sum()), "padded_tokens": b * s}
+        valid = mask.bool()
+        outs = {}
+        with torch.no_grad():
+            for impl, model in models.items():
+                fwd = lambda m=model: m(input_ids=ids, attention_mask=mask).last_hidden_state  # noqa: E731
+                outs[impl] = fwd()
+                r = time_fn(fwd, dev, warmup=3, min_reps=10, target_s=target_s)
+                with SyncCount(dev) as sc:
+                    fwd()
+                row[impl] = {"ms": r["ms"], "wall_ms": r["wall_ms"], "syncs_per_forward": sc.n}
+        diff = (outs["ours"].float() - outs["sdpa"].float())[valid].abs().max().item()
+        row["max_diff_valid"] = diff
+        row["ours_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["ours"]["wall_ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def train_rows(dev, dtype, configs, target_s) -> list[dict]:
+    from ragged_compile import hf
+
+    name = hf.register()
+    rows = []
+    for label, layers, hidden, heads, b, s in configs:
+        row = {"model": label, "batch": b, "length": s}
+        ids, mask, lens = _padded_batch(b, s, dev, seed=1)
+        row["real_tokens"] = int(lens.sum())
+        for impl in ("sdpa", name):
+            model = _bert(dev, dtype, layers, hidden, heads, impl).train()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+            def step(m=model, o=opt):
+                out = m(input_ids=ids, attention_mask=mask).last_hidden_state
+                loss = (out.float() * mask[..., None]).pow(2).mean()
+                loss.backward()
+                o.step()
+                o.zero_grad(set_to_none=True)
+
+            r = time_fn(step, dev, warmup=3, min_reps=5, target_s=target_s)
+            with SyncCount(dev) as sc:
+                step()
+            key = "ours" if impl == name else impl
+            row[key] = {"ms": r["ms"], "wall_ms": r["wall_ms"], "syncs_per_step": sc.n,
+                        "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None}
+            del model, opt
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(dev)
+        row["ours_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["ours"]["wall_ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _markdown(res: dict) -> str:
+    lines = ["# Host cost and small batches", "", f"Environment: `{json.dumps(res['environment'])}`", ""]
+    if "op" in res:
+        lines += ["## Microseconds per attention call (eager, host-bound batch)", "", "| path | us / call |", "|---|---|"]
+        lines += [f"| {k} | {v:.1f} |" for k, v in res["op"].items() if isinstance(v, float)]
+        lines.append("")
+    if "njt" in res:
+        lines += ["## NJT SDPA, us per call", "", "| path | us / call |", "|---|---|"]
+        lines += [f"| {k} | {v:.1f} |" for k, v in res["njt"].items()]
+        lines.append("")
+    if "hf" in res:
+        lines += ["## BERT-style encoder forward, padded batches (lengths L/2..L)", "",
+                  "| batch x L | sdpa ms | ours ms | ours / sdpa speed | syncs / forward (sdpa, ours) | max diff |",
+                  "|---|---|---|---|---|---|"]
+        for r in res["hf"]:
+            lines.append(
+                f"| {r['batch']} x {r['length']} | {r['sdpa']['wall_ms']:.2f} | {r['ours']['wall_ms']:.2f} | "
+                f"{r['ours_over_sdpa_speed']:.2f}x | {r['sdpa']['syncs_per_forward']}, {r['ours']['syncs_per_forward']} | "
+                f"{r['max_diff_valid']:.1e} |"
+            )
+        lines.append("")
+    if "train" in res:
+        lines += ["## Training step (forward, backward, AdamW), padded", "",
+                  "| model | batch x L | sdpa ms | ours ms | ours / sdpa speed | syncs / step (sdpa, ours) |",
+                  "|---|---|---|---|---|---|"]
+        for r in res["train"]:
+            lines.append(
+                f"| {r['model']} | {r['batch']} x {r['length']} | {r['sdpa']['wall_ms']:.1f} | {r['ours']['wall_ms']:.1f} | "
+                f"{r['ours_over_sdpa_speed']:.2f}x | {r['sdpa']['syncs_per_step']}, {r['ours']['syncs_per_step']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--only", default="op,njt,hf,train")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--target-s", type=float, default=1.0)
+    a = p.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    only = set(a.only.split(","))
+    res: dict = {"environment": environment(), "device": str(dev), "dtype": str(dtype)}
+    small = [9, 17, 33, 12] * (1 if a.smoke else 8)
+    reps = 50 if a.smoke else 2000
+    if "op" in only:
+        res["op"] = op_rows(dev, dtype, small, 4 if a.smoke else 12, 64, reps)
+        print(json.dumps(res["op"]), flush=True)
+    if "profile" in only and dev.type == "cuda":
+        res["profile"] = profile_rows(dev, dtype, small, 12, 64)
+    if "njt" in only:
+        res["njt"] = njt_rows(dev, dtype, small, 4 if a.smoke else 12, 64, reps)
+        print(json.dumps(res["njt"]), flush=True)
+    if "hf" in only:
+        if a.smoke:
+            res["hf"] = hf_rows(dev, dtype, [(4, 16)], 2, 64, 2, 0.05)
+        else:
+            res["hf"] = hf_rows(dev, dtype, [(64, 48), (64, 128), (16, 512), (256, 128)], 12, 768, 12, a.target_s)
+    if "train" in only:
+        if a.smoke:
+            res["train"] = train_rows(dev, dtype, [("tiny", 2, 64, 2, 4, 16)], 0.05)
+        else:
+            res["train"] = train_rows(
+                dev, dtype, [("bert-base", 12, 768, 12, 64, 256), ("bert-large", 24, 1024, 16, 32, 512)], a.target_s
+            )
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "host.json").write_text(json.dumps(res, indent=1))
+    (out / "host.md").write_text(_markdown(res))
+    print(_markdown(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""Which kernel runs a call, and, where it is not the fastest, why.
+
+The one place that decides, for every device and direction:
+
+==================  =====================================================================
+question            answer
+==================  =====================================================================
+forward             :func:`forward_kernel`: ``"cpu"`` (the fused CPU kernel, cpu.py),
+                    ``"flashinfer"`` (CUDA, flashinfer.py) or ``"reference"``
+                    (reference.py: float64, other devices, ``RAGGED_COMPILE_REFERENCE``,
+                    CUDA calls FlashInfer cannot take)
+FlashInfer family   :func:`flashinfer_backend`: ``"fa2"`` or ``"fa3"`` per layout, from a
+                    cost table measured on the H200
+training            :func:`trains_with_lse`: whether a grad-requiring call runs the LSE
+                    pair (a forward that saves its log-sum-exp for a fused backward)
+backward            :func:`backward_kernel`: ``"fa4"`` (flash-attn-4, SM90) or ``"fa2"``
+                    (PyTorch's FlashAttention-2) on CUDA; the CPU kernel's or the
+                    reference's own backward elsewhere
+rewrites, hf.py     :func:`unsupported_reason`: why a call should stay with stock
+                    PyTorch, or None
+==================  =====================================================================
+
+Each reason is one message, written once below. Kernels and variants plug in
+here: a new kernel adds its support test to :func:`_cuda_forward_reason` (or
+its own), a new choice a function beside these.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .. import config
+from ..logs import warn_once
+from ..validation import SUPPORTED_DTYPES
+from . import fa4_backward, flash_backward
+from . import flashinfer as fi
+
+__all__ = [
+    "forward_kernel",
+    "forward_reason",
+    "flashinfer_backend",
+    "predicted_fa3_over_fa2",
+    "trains_with_lse",
+    "training_reason",
+    "backward_kernel",
+    "fa4_failed",
+    "unsupported_reason",
+]
+
+# -- forward ----------------------------------------------------------------------
+
+
+@functools.cache
+def _cuda_forward_reason(dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why FlashInfer cannot take a CUDA call, or None."""
+    if not fi.available():
+        return "flashinfer is not importable (pip install flashinfer-python)"
+    if dtype not in fi.DTYPES:
+        return f"FlashInfer takes float16/bfloat16, got {dtype}; cast q/k/v to bfloat16 for FlashInfer speed"
+    if fi.flashinfer_head_dim(head_dim) is None:
+        return f"FlashInfer takes head_dim <= 256, got {head_dim}"
+    return None
+
+
+def forward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The forward kernel of a call: ``"cpu"``, ``"flashinfer"`` or ``"reference"``."""
+    if device.type == "cpu":
+        return "reference" if dtype == torch.float64 or config.flag(config.REFERENCE) else "cpu"
+    if device.type == "cuda" and _cuda_forward_reason(dtype, head_dim) is None:
+        return "flashinfer"
+    return "reference"
+
+
+def forward_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why a call runs the (slow, exact) reference kernel, or None where it runs a fast one."""
+    if device.type == "cuda":
+        return _cuda_forward_reason(dtype, head_dim)
+    if device.type == "cpu":
+        if dtype == torch.float64:
+            return None  # float64 is the reference's own precision: it is the kernel for it
+        if config.flag(config.REFERENCE):
+            return f"{config.REFERENCE} is set"
+        return None
+    return f"no kernel of its own on {device.type}"
+
+
+# fa3 time over fa2 time per call, measured on the H200 (bf16, ~33k tokens, both
+# kernels through flashinfer.py, causal split included; bench/sweep_backends.py,
+# bench/results/sweep_backends.json), against the mean k/v tokens per segment.
+# Keyed (head-dim table, GQA group size, causal). fa3 plans take 2-10x the host
+# time of fa2 plans (0.6-9 ms against 0.2-0.8 ms), so fa3 must be predicted at
+# least _FA3_MARGIN faster to be chosen; within that margin fa2 loses little.
+_FA3_OVER_FA2 = {
+    (64, 1, False): [(17, 1.21), (36, 2.12), (63, 1.43), (133, 1.01), (320, 0.85), (645, 0.76), (1066, 0.68), (2282, 0.64), (4382, 0.63), (8192, 0.63), (32768, 0.66)],
+    (64, 1, True): [(17, 1.18), (36, 1.65), (63, 1.13), (133, 1.09), (320, 0.97), (645, 0.9), (1066, 0.78), (2282, 0.71), (4382, 0.66), (8192, 0.65), (32768, 0.65)],
+    (128, 1, False): [(17, 1.01), (36, 1.54), (63, 1.08), (133, 1.05), (320, 0.86), (645, 0.68), (1066, 0.6), (2282, 0.54), (4382, 0.53), (8192, 0.53), (32768, 0.6)],
+    (128, 1, True): [(17, 0.86), (36, 1.15), (63, 0.84), (133, 0.83), (320, 0.75), (645, 0.65), (1066, 0.58), (2282, 0.53), (4382, 0.5), (8192, 0.49), (32768, 0.56)],
+    (128, 4, False): [(17, 5.32), (36, 3.34), (63, 1.82), (133, 1.29), (320, 0.93), (645, 0.74), (1066, 0.61), (2282, 0.57), (4382, 0.59), (8192, 0.61), (32768, 0.61)],
+    (128, 4, True): [(17, 2.87), (36, 2.38), (63, 1.46), (133, 1.18), (320, 0.97), (645, 0.77), (1066, 0.66), (2282, 0.55), (4382, 0.55), (8192, 0.56), (32768, 0.6)],
+    (128, 8, False): [(17, 6.67), (36, 3.51), (63, 1.89), (133, 1.25), (320, 0.93), (645, 0.77), (1066, 0.63), (2282, 0.56), (4382, 0.53), (8192, 0.5), (32768, 0.58)],
+    (128, 8, True): [(17, 4.61), (36, 2.55), (63, 1.51), (133, 1.17), (320, 0.93), (645, 0.76), (1066, 0.63), (2282, 0.53), (4382, 0.5), (8192, 0.49), (32768, 0.49)],
+}
+_FA3_MARGIN = 0.98
+
+
+def _interp_log(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear in log(x) through ``points``, clamped at both ends."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + t * (y1 - y0)
+    return points[-1][1]
+
+
+def predicted_fa3_over_fa2(mean_kv: float, hq: int, hkv: int, head_dim: int, causal: bool) -> float:
+    """fa3's predicted time over fa2's for a layout (see ``_FA3_OVER_FA2``)."""
+    group = max(1, hq // max(hkv, 1))
+    # d <= 64 pads to 64, anything larger uses the 128 table (256 is unmeasured:
+    # fa3's advantage there is no smaller). GQA was measured at d=128 only; it
+    # favours fa2 on short segments far more than the head dim does.
+    dim = 64 if fi.flashinfer_head_dim(head_dim) == 64 and group == 1 else 128
+    mean_kv = max(mean_kv, 1.0)
+    if group == 1 or dim == 64:
+        return _interp_log(_FA3_OVER_FA2[(dim, 1, causal)], mean_kv)
+    # between measured group sizes 1, 4, 8: linear in log2(group)
+    at = {g: _interp_log(_FA3_OVER_FA2[(128, g, causal)], mean_kv) for g in (1, 4, 8)}
+    lg = math.log2(group)
+    if lg <= 2:
+        return at[1] + (at[4] - at[1]) * lg / 2
+    return at[4] + (at[8] - at[4]) * min(lg - 2, 1.0)
+
+
+@functools.cache
+def _is_sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def flashinfer_backend(
+    requested: str,
+    device: torch.device,
+    n: int,
+    total_k: int,
+    *,
+    hq: int = 1,
+    hkv: int = 1,
+    head_dim: int = 128,
+    causal: bool = False,
+) -> str:
+    """Resolve ``"auto"`` to ``"fa2"`` or ``"fa3"`` for one layout; pass others through.
+
+    fa3 exists on SM90 only. There, the measured cost table picks fa3 where it
+    is predicted at least 2% faster than fa2 (long segments; short causal
+    segments with one k/v head per query head), fa2 elsewhere (short
+    segments, above all with GQA, where fa2 packs a group's heads into rows).
+    """
+    if requested != "auto":
+        return requested
+    if not _is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
+        return "fa2"
+    ratio = predicted_fa3_over_fa2(total_k / max(n, 1), hq, hkv, head_dim, causal)
+    return "fa3" if ratio < _FA3_MARGIN else "fa2"
+
+
+# -- training -----------------------------------------------------------------------
+
+
+@functools.cache
+def _cuda_training_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    return _cuda_forward_reason(dtype, head_dim) or flash_backward.unsupported_reason(device, dtype, head_dim)
+
+
+def training_reason(device: torch.device, dtype: torch.dtype, head_dim) -> str | None:
+    """Why a grad-requiring CUDA call cannot train on FlashInfer's forward and a fused
+    backward (it runs the reference kernel's exact gradients), or None."""
+    if device.type != "cuda":
+        return "the fused training kernels are CUDA-only"
+    if not isinstance(head_dim, int):
+        return "the head dim is symbolic"
+    return _cuda_training_reason(device, dtype, head_dim)
+
+
+def trains_with_lse(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a grad-requiring call runs the LSE pair: on CUDA where FlashInfer and a
+    fused backward take it (else, said once, the reference); on CPU wherever the
+    fused CPU kernel runs, whose backward then reuses the forward's LSE."""
+    if device.type == "cuda":
+        reason = training_reason(device, dtype, head_dim)
+        if reason is None:
+            return True
+        if isinstance(head_dim, int) and _cuda_forward_reason(dtype, head_dim) is None:
+            # FlashInfer runs the forward; only the backward is the reference's. (A
+            # forward FlashInfer cannot take says so itself, for both directions.)
+            warn_once(f"a CUDA call needs gradients but {reason}: its backward runs the (slow, exact) reference kernel")
+        return False
+    return forward_kernel(device, dtype, head_dim) == "cpu"
+
+
+def backward_kernel(
+    device: torch.device, dtype: torch.dtype, head_dim: int, layout: tuple[int, int, int] | None = None
+) -> str:
+    """The CUDA backward of a training call: ``"fa4"`` (flash-attn-4, about twice as
+    fast on SM90, when installed) or ``"fa2"`` (PyTorch's FlashAttention-2).
+    ``layout``, (segments, total q, total k): floods of short segments stay on
+    FA2 (:func:`fa4_backward.pads_little`).
+
+    ``RAGGED_COMPILE_BACKWARD=fa2|fa4`` forces one; ``fa4`` where it cannot run
+    is an error that says why. Under ``torch.use_deterministic_algorithms(True)``
+    it is FA2 (FA4's atomics make dq differ run to run in its last bits). If
+    FA4's kernel fails once (a pre-release), FA2 from then on, with a WARNING
+    (:func:`fa4_failed`)."""
+    forced = config.choice(config.BACKWARD, config.BACKWARDS)
+    if forced == "fa2":
+        return "fa2"
+    if torch.are_deterministic_algorithms_enabled():
+        # FA4 accumulates dq (and GQA's dk/dv) with atomics; aten's FA2 backward
+        # honours the flag itself.
+        if forced == "fa4":
+            raise RuntimeError(
+                f"{config.BACKWARD}=fa4, but torch.use_deterministic_algorithms(True) is set and "
+                "flash-attn-4's backward is not bitwise deterministic; unset one of them"
+            )
+        return "fa2"
+    reason = fa4_backward.unsupported_reason(device, dtype, head_dim)
+    if reason is None:
+        if forced == "auto" and layout is not None and not fa4_backward.pads_little(*layout):
+            return "fa2"
+        return "fa4"
+    if forced == "fa4":
+        raise RuntimeError(f"{config.BACKWARD}=fa4, but {reason}; unset it to use FlashAttention-2's backward")
+    if fa4_backward.installed():
+        _warn_fa4(reason)
+    return "fa2"
+
+
+def fa4_failed(err: Exception, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """FA4's kernel raised (a JIT or launch failure of the pre-release): re-raise where
+    it was forced, else use FA2 for the rest of the process, with a WARNING."""
+    if config.choice(config.BACKWARD, config.BACKWARDS) == "fa4" or isinstance(err, torch.OutOfMemoryError):
+        raise err
+    fa4_backward.disable(f"its backward failed ({type(err).__name__}: {str(err)[:300]})")
+    _warn_fa4(fa4_backward.unsupported_reason(device, dtype, head_dim))
+
+
+def _warn_fa4(reason: str) -> None:
+    warn_once(f"flash-attn-4 is installed but {reason}: training uses FlashAttention-2's (slower) backward")
+
+
+# -- rewrites ------------------------------------------------------------------------
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim, *, training: bool = False) -> str | None:
+    """Why a rewrite (the NJT handler, the Inductor passes, hf.py) should leave an
+    attention call to stock PyTorch, or None to put it on the op.
+
+    On CPU the op takes every supported dtype: its CPU kernel (or, for float64,
+    the reference) is faster than stock, which on CPU has no fused kernel for
+    NJTs. On CUDA the call must reach FlashInfer, and with ``training`` a fused
+    backward too: stock fp32 or head_dim > 256 attention there is a fused kernel,
+    and ours would be the reference.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} is not supported"
+    if device.type != "cuda":
+        return None
+    if not isinstance(head_dim, int):
+        return "the head dim is symbolic"
+    reason = _cuda_training_reason(device, dtype, head_dim) if training else _cuda_forward_reason(dtype, head_dim)
+    if reason is not None:
+        return f"{reason}, so the op would run the reference kernel on CUDA"
+    return None

@@ -1,0 +1,130 @@
+"""Host reads on the padded transformers path: one per forward, none per layer.
+
+On CUDA every host read of a device tensor is a device-to-host sync, and on
+small batches the host decides the time. CPU: a dispatch mode counts the scalar
+reads (``item``/``bool``/``equal``) made outside our kernels, and the runtime
+(with a stand-in for FlashInfer) is checked to plan from host offsets it was
+told, reading nothing back. CUDA: ``torch.cuda.set_sync_debug_mode`` counts the
+syncs of whole forwards.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import _fake_flashinfer
+import ragged_compile as rc
+
+transformers = pytest.importorskip("transformers")
+
+from ragged_compile import hf  # noqa: E402
+
+NAME = hf.register()
+_READS = {
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.equal.default,
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.item.default,
+}
+
+
+class HostReads(TorchDispatchMode):
+    """Scalar reads of tensors, outside our op (a mode is off inside the ops it sees)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _READS:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _model(kind, device="cpu"):
+    torch.manual_seed(0)
+    if kind == "bert":
+        from transformers import BertConfig, BertModel
+
+        cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=64)
+        model = BertModel(cfg)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
+        model = LlamaForCausalLM(cfg)
+    model.set_attn_implementation(NAME)
+    return model.eval().to(device)
+
+
+def _batch(lengths, s, left=False, device="cpu"):
+    mask = torch.zeros(len(lengths), s, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        if left:
+            mask[i, s - n:] = 1
+        else:
+            mask[i, :n] = 1
+    ids = torch.randint(1, 63, (len(lengths), s))
+    return ids.to(device), mask.to(device)
+
+
+@pytest.mark.parametrize("kind,left", [("bert", False), ("bert", True), ("llama", True)])
+@pytest.mark.parametrize("full", [False, True])
+def test_padded_forward_reads_the_host_once(kind, left, full):
+    model = _model(kind)
+    ids, mask = _batch([12] * 3 if full else [7, 3, 12], 12, left=left)
+    kw = {"use_cache": False} if kind == "llama" else {}
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **kw)  # warm: lazy imports, caches
+        with HostReads() as reads:
+            model(input_ids=ids, attention_mask=mask, **kw)
+    assert reads.n == 1, f"{reads.n} host reads in one forward of {kind}"
+
+
+def test_runtime_plans_from_offsets_it_was_told(monkeypatch):
+    """know_offsets: a step that meets the device offsets plans from the host copy
+    and counts no sync; an in-place edit of the offsets forgets it."""
+    wrappers = _fake_flashinfer.install(monkeypatch)
+    rt = rc.Runtime("cpu", backend="fa2", workspace_bytes=64)
+    lens = [5, 0, 9, 2]
+    cu = torch.tensor([0, 5, 5, 14, 16], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(16, 2, 8, generator=g) for _ in range(3))
+    rt.know_offsets(cu, cu.clone())
+    step = rt._step_for(cu, cu)
+    out = step.attention(q, k, v, cu, cu, True, 0.3)
+    assert rt.stats["syncs"] == 0 and rt.stats["plans"] == 1 and len(wrappers) == 1
+    torch.testing.assert_close(out, rc.reference_attention(q, k, v, cu, cu, True, 0.3))
+    cu.copy_(torch.tensor([0, 2, 7, 7, 16], dtype=torch.int32))  # edited in place: not known any more
+    assert rt.known_offsets(cu) is None
+    with rt.step():
+        rt._step_for(cu, cu).attention(q, k, v, cu, cu, True, 0.3)
+    assert rt.stats["syncs"] == 1, lens
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind,left", [("bert", False), ("llama", True)])
+def test_cuda_padded_forward_syncs_once(kind, left):
+    model = _model(kind, "cuda").to(torch.bfloat16)
+    ids, mask = _batch([40, 17, 64, 9], 64, left=left, device="cuda")
+    kw = {"use_cache": False} if kind == "llama" else {}
+    with torch.no_grad():
+        for _ in range(2):
+            model(input_ids=ids, attention_mask=mask, **kw)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(1)
+            try:
+                model(input_ids=ids, attention_mask=mask, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+    assert len(syncs) <= 1, syncs

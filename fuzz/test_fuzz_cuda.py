@@ -60,7 +60,7 @@ def test_cuda_matches_float32_reference():
     )
     @given(
         case=attention_cases(
-            dtypes_=(torch.bfloat16, torch.float16),
+            dtypes=(torch.bfloat16, torch.float16),
             max_len=512,
             max_elements=1 << 21,
             max_score_elements=1 << 28,

@@ -6,7 +6,7 @@ FlashAttention-2; RAGGED_COMPILE_BACKWARD picks one) vs float64 autograd.
 Each example draws a layout (self or cross, empty and one-token segments, all-empty
 k, causal with Lq != Lk), GQA 1/2/4/8, head dims 32..256 (72/80/96 padded), bf16
 or fp16, and compares out with a dense float64 per-segment reference and dq, dk,
-dv with float64 gradients given the forward's rounded output (see _grads64), on
+dv with float64 gradients given the forward's rounded output (see check), on
 the GPU, on the *same* rounded inputs. Checked per tensor (norm-wise,
 tight) and per token row (loose, so one wrong segment cannot hide among long ones).
 Skipped without a CUDA device.
@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, example, given, settings
 
 import ragged_compile
 from ragged_compile.backends import select
-from fuzz.strategies import AttentionCase, Layout, attention_cases
+from ragged_compile.reference import dense_attention, dense_gradients
+from ragged_compile.testing import AttentionCase, Layout, attention_cases
 
 pytestmark = [
     pytest.mark.cuda,
@@ -51,66 +52,6 @@ EXAMPLES = [
     _case([40, 3], [9, 100], hq=16, hkv=2, d=256, index_dtype=torch.int64, scale=0.05),
     _case([1] * 300, hq=8, hkv=1, d=128, dtype=torch.float16),
 ]
-
-
-def _dense64(q, k, v, cu_q, cu_k, causal: bool, scale: float) -> torch.Tensor:
-    """One dense float64 softmax per segment on q's device (the GPU: fast in float64)."""
-    grp = q.shape[1] // k.shape[1]
-    outs = [q[:0] * 0]  # in the graph even when no segment has queries
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    for i in range(len(cq) - 1):
-        qs, ks, vs = q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]]
-        lq, lk = qs.shape[0], ks.shape[0]
-        if lq == 0:
-            continue
-        if lk == 0:
-            outs.append(qs * 0)  # keeps the graph: zero output, zero gradient
-            continue
-        ks, vs = ks.repeat_interleave(grp, dim=1), vs.repeat_interleave(grp, dim=1)
-        s = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-        if causal:
-            qi = torch.arange(lq, device=q.device)[:, None]
-            kj = torch.arange(lk, device=q.device)[None, :]
-            s = s.masked_fill(kj > qi + (lk - lq), float("-inf"))
-        p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)  # rows that see no key
-        outs.append(torch.einsum("hqk,khd->qhd", p, vs))
-    return torch.cat(outs)
-
-
-def _grads64(q, k, v, cu_q, cu_k, causal: bool, scale: float, g, out):
-    """float64 dq, dk, dv per segment, given the forward's *rounded* output.
-
-    The backward's term ``D_i = sum_d dO_id O_id`` cancels against ``dP_ij``
-    wherever a row's softmax is nearly one-hot (large scores, short segments);
-    with O rounded to bf16 that cancellation is what any FlashAttention backward
-    computes, stock PyTorch's included. Taking D from the output the forward
-    returned isolates what the backward kernel itself gets right (the forward's
-    output is checked against exact float64 separately).
-    """
-    grp = q.shape[1] // k.shape[1]
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    for i in range(len(cq) - 1):
-        qs, ks, vs = q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]]
-        lq, lk = qs.shape[0], ks.shape[0]
-        if lq == 0 or lk == 0:
-            continue
-        go, o = g[cq[i] : cq[i + 1]], out[cq[i] : cq[i + 1]]
-        ke, ve = ks.repeat_interleave(grp, dim=1), vs.repeat_interleave(grp, dim=1)
-        s = torch.einsum("qhd,khd->hqk", qs, ke) * scale
-        if causal:
-            qi = torch.arange(lq, device=q.device)[:, None]
-            kj = torch.arange(lk, device=q.device)[None, :]
-            s = s.masked_fill(kj > qi + (lk - lq), float("-inf"))
-        p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
-        dp = torch.einsum("qhd,khd->hqk", go, ve)
-        d_row = (go * o).sum(-1).transpose(0, 1)[..., None]  # [Hq, lq, 1]
-        ds = p * (dp - d_row)
-        dq[cq[i] : cq[i + 1]] = torch.einsum("hqk,khd->qhd", ds, ke) * scale
-        hkv = k.shape[1]
-        dk[ck[i] : ck[i + 1]] = (torch.einsum("hqk,qhd->khd", ds, qs) * scale).unflatten(1, (hkv, grp)).sum(2)
-        dv[ck[i] : ck[i + 1]] = torch.einsum("hqk,qhd->khd", p, go).unflatten(1, (hkv, grp)).sum(2)
-    return dq, dk, dv
 
 
 def _check(name, got, want, dtype, case):
@@ -144,8 +85,8 @@ def test_gradients_match_float64_autograd():
     )
     @given(
         case=attention_cases(
-            dtypes_=(torch.bfloat16, torch.float16),
-            head_dims_=HEAD_DIMS,
+            dtypes=(torch.bfloat16, torch.float16),
+            head_dims=HEAD_DIMS,
             max_segments=48,
             max_len=512,
             max_elements=1 << 20,
@@ -163,25 +104,30 @@ def test_gradients_match_float64_autograd():
         out.backward(g.to(out.dtype))
         torch.cuda.synchronize()
 
-        q64, k64, v64 = (t.detach().double() for t in (x.q, x.k, x.v))
-        cu_q, cu_k, scale = x.cu_seqlens_q, x.cu_seqlens_k, case.effective_scale
-        ref = _dense64(q64, k64, v64, cu_q, cu_k, case.causal, scale)
+        # float64 on the GPU (fast there), on the *same* rounded inputs. The
+        # gradients take D_i = sum_d dO_id O_id from the forward's *rounded*
+        # output: where a row's softmax is nearly one-hot (large scores, short
+        # segments) D cancels against dP_ij, and with O rounded to bf16 that
+        # cancellation is what any FlashAttention backward computes, stock
+        # PyTorch's included. This isolates what the backward kernel itself gets
+        # right; the output is checked against exact float64 first.
+        args = (x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, case.causal, case.effective_scale)
+        ref = dense_attention(*args, device=x.q.device)
         _check("out", out.detach(), ref, case.dtype, case)
-        g64, out64 = g.to(out.dtype).double(), out.detach().double()
-        want = _grads64(q64, k64, v64, cu_q, cu_k, case.causal, scale, g64, out64)
+        _, *want = dense_gradients(g.to(out.dtype), *args, out=out.detach(), device=x.q.device)
         for name, a, b in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want):
             _check(name, a, b, case.dtype, case)
         ran["examples"] += 1
-        layout = (len(case.q_lens), case.layout.total_q, case.layout.total_k)
+        layout = (len(case.q_lengths), case.layout.total_q, case.layout.total_k)
         ran["backward_" + select.backward_kernel(q.device, q.dtype, q.shape[-1], layout)] += 1
         ran[str(case.dtype)] += 1
         ran[f"d{case.head_dim}"] += 1
         ran[f"gqa{case.hq // case.hkv}"] += 1
         ran["cross" if case.layout.cross else "self"] += 1
         ran["causal"] += case.causal
-        ran["empty_segment"] += 0 in case.q_lens or 0 in case.kv_lens
+        ran["empty_segment"] += 0 in case.q_lengths or 0 in case.k_lengths
         ran["all_k_empty"] += case.layout.total_k == 0
-        ran["causal_lq_gt_lk"] += case.causal and any(a > b for a, b in zip(case.q_lens, case.kv_lens))
+        ran["causal_lq_gt_lk"] += case.causal and any(a > b for a, b in zip(case.q_lengths, case.k_lengths))
         if ran["examples"] % 100 == 0:  # progress that survives a time limit
             print(f"\n{ran['examples']} examples passed so far ({dict(ran)})", flush=True)
 

@@ -91,7 +91,7 @@ def _with_examples(test):
 # The float64 oracle is a Python loop over segments (1-3 ms each on CPU): floods
 # of tiny segments are the job of the last test, with fewer examples.
 @_with_examples
-@given(case=attention_cases(allow_many_tiny=False))
+@given(case=attention_cases(max_tiny_segments=0))
 def test_matches_float64_reference(case: AttentionCase):
     _record(case)
     x = case.tensors()
@@ -112,7 +112,7 @@ def _segment_masks(lengths, i):
 
 @settings(max_examples=scaled_examples(0.5, minimum=10))
 @given(
-    case=attention_cases(min_segments=2, allow_many_tiny=False),
+    case=attention_cases(min_segments=2, max_tiny_segments=0),
     data=st.data(),
     fill=st.sampled_from(["random", "nan", "inf", "huge"]),
 )

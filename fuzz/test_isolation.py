@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import ragged_compile
 from ragged_compile.reference import reference_attention, reference_attention_backward
-from fuzz.strategies import attention_cases, scaled_examples
+from ragged_compile.testing import attention_cases, scaled_examples
 
 _INT = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
@@ -44,8 +44,8 @@ def _bits(x):
 
 def _cases(dtypes):
     return attention_cases(
-        dtypes_=dtypes,
-        head_dims_=(8, 16, 72),
+        dtypes=dtypes,
+        head_dims=(8, 16, 72),
         max_segments=10,
         min_segments=2,
         max_len=40,
@@ -69,7 +69,7 @@ def test_poison_one_segment_cuda(case, data):
 
 
 def _check_isolation(case, data, kernels, device):
-    lq, lk = case.q_lens, case.kv_lens
+    lq, lk = case.q_lengths, case.k_lengths
     # Which tensor, which segment, where, what.
     choices = [(t, i) for i in range(case.n) for t in ("q", "go") if lq[i]]
     choices += [(t, i) for i in range(case.n) for t in ("k", "v") if lk[i]]

@@ -186,24 +186,30 @@ def reference_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _dense_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dtype):
-    """Yield (q rows slice, scores [Hq, Lq, Lk], v [Lk, Hq, D]) per non-empty segment, in ``dtype`` on the CPU."""
+def _dense_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dtype, device):
+    """Yield (q rows slice, k rows slice, scores [Hq, Lq, Lk], k and v [Lk, Hq, D])
+    per non-empty segment, in ``dtype`` on ``device``; k/v heads repeated for GQA."""
     grp = q.shape[1] // k.shape[1]
     cuq = cu_seqlens_q.tolist()
     cuk = cu_seqlens_k.tolist()
     for i in range(len(cuq) - 1):
-        qs = q[cuq[i] : cuq[i + 1]].to("cpu", dtype)
-        ks = k[cuk[i] : cuk[i + 1]].to("cpu", dtype).repeat_interleave(grp, dim=1)
-        vs = v[cuk[i] : cuk[i + 1]].to("cpu", dtype).repeat_interleave(grp, dim=1)
-        Lq, Lk = qs.shape[0], ks.shape[0]
+        Lq, Lk = cuq[i + 1] - cuq[i], cuk[i + 1] - cuk[i]
         if Lq == 0 or Lk == 0:
             continue
+        rows, keys = slice(cuq[i], cuq[i + 1]), slice(cuk[i], cuk[i + 1])
+        qs = q[rows].to(device, dtype)
+        ks = k[keys].to(device, dtype).repeat_interleave(grp, dim=1)
+        vs = v[keys].to(device, dtype).repeat_interleave(grp, dim=1)
         s = torch.einsum("qhd,khd->hqk", qs, ks) * scale
         if causal:
-            qi = torch.arange(Lq)[:, None]
-            kj = torch.arange(Lk)[None, :]
+            qi = torch.arange(Lq, device=device)[:, None]
+            kj = torch.arange(Lk, device=device)[None, :]
             s = s.masked_fill(kj > qi + (Lk - Lq), float("-inf"))
-        yield slice(cuq[i], cuq[i + 1]), s, vs
+        yield rows, keys, s, ks, vs
+
+
+def _softmax(s):
+    return torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)  # rows with every key masked: 0
 
 
 def dense_attention(
@@ -215,40 +221,82 @@ def dense_attention(
     causal: bool,
     scale: float,
     dtype: torch.dtype = torch.float64,
+    *,
+    device: str | torch.device = "cpu",
 ) -> torch.Tensor:
-    """The oracle: one dense softmax per segment, in ``dtype`` (float64) on the CPU.
+    """The oracle: one dense softmax per segment, in ``dtype`` (float64) on ``device``.
 
     A Python loop over segments, obviously correct and slow: every kernel
     (:func:`reference_attention`, the CPU kernel, FlashInfer, the backwards) is
-    tested against it on small layouts. Differentiable: for gradients call
-    :func:`dense_gradients`. Rows that see no key are zero. Returns ``dtype``.
+    tested against it on small layouts; pass ``device="cuda"`` for large ones
+    (the GPU is fast in float64 too). GQA/MQA: each k/v head serves
+    ``Hq // Hkv`` query heads. Causal masks are aligned bottom-right. Rows that
+    see no key are zero. Differentiable; for gradients call
+    :func:`dense_gradients`. Returns ``dtype`` on ``device``.
     """
-    out = torch.zeros(q.shape, dtype=dtype)
-    for rows, s, vs in _dense_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dtype):
-        p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)  # rows with every key masked
-        out[rows] = torch.einsum("hqk,khd->qhd", p, vs)
+    out = torch.zeros(q.shape, dtype=dtype, device=device)
+    for rows, _, s, _, vs in _dense_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dtype, device):
+        out[rows] = torch.einsum("hqk,khd->qhd", _softmax(s), vs)
     return out
 
 
-def dense_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, dtype: torch.dtype = torch.float64):
-    """The oracle's log-sum-exp of the scaled scores: ``[Hq, Tq]`` in ``dtype`` on the
-    CPU, natural log, ``+inf`` for rows that see no key (aten's convention)."""
-    lse = torch.full((q.shape[1], q.shape[0]), math.inf, dtype=dtype)
-    for rows, s, _ in _dense_segments(q, k, k, cu_seqlens_q, cu_seqlens_k, causal, scale, dtype):
+def dense_lse(
+    q, k, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, dtype: torch.dtype = torch.float64,
+    *, device: str | torch.device = "cpu",
+):
+    """The oracle's log-sum-exp of the scaled scores: ``[Hq, Tq]`` in ``dtype`` on
+    ``device``, natural log, ``+inf`` for rows that see no key (aten's convention)."""
+    lse = torch.full((q.shape[1], q.shape[0]), math.inf, dtype=dtype, device=device)
+    for rows, _, s, _, _ in _dense_segments(q, k, k, cu_seqlens_q, cu_seqlens_k, causal, scale, dtype, device):
         seg = torch.logsumexp(s, dim=-1)
         lse[:, rows] = seg.masked_fill(seg == -math.inf, math.inf)
     return lse
 
 
-def dense_gradients(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, dtype=torch.float64):
-    """The oracle's output and gradients ``(out, dq, dk, dv)`` for ``grad_out``, by
-    autograd through :func:`dense_attention` on ``dtype`` copies (CPU tensors)."""
-    leaves = [t.detach().to("cpu", dtype).requires_grad_(True) for t in (q, k, v)]
-    with torch.enable_grad():
-        out = dense_attention(*leaves, cu_seqlens_q, cu_seqlens_k, causal, scale, dtype)
-        dq, dk, dv = torch.autograd.grad(out, leaves, grad_out.detach().to("cpu", dtype), allow_unused=True)
-    grads = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, (dq, dk, dv)))
-    return (out.detach(),) + grads
+def dense_gradients(
+    grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, dtype=torch.float64,
+    *, out: torch.Tensor | None = None, lse: torch.Tensor | None = None, device: str | torch.device = "cpu",
+):
+    """The oracle's output and gradients ``(out, dq, dk, dv)`` for ``grad_out``, in
+    ``dtype`` on ``device``. Rows and keys no query sees get zero gradients.
+
+    By default: autograd through :func:`dense_attention` on ``dtype`` copies.
+
+    With a saved forward, the flash-attention backward of that forward, as a
+    FlashAttention kernel computes it from what it is handed (GQA gradients summed
+    over the query heads of each k/v head):
+
+    * ``out`` (``[Tq, Hq, D]``): ``D_i = sum_d dO_id * out_id`` is taken from it
+      rather than from the exact output (with ``out`` rounded to bf16 that is
+      the cancellation any flash backward sees);
+    * ``lse`` (``[Hq, Tq]``, natural log, ``+inf`` for keyless rows): the
+      probabilities are ``exp(S - lse)`` rather than the exact softmax.
+
+    Then ``dS = P * (dO V^T - D) * scale``, ``dQ = dS K``, ``dK = dS^T Q``,
+    ``dV = P^T dO``, and the returned ``out`` is ``P V``.
+    """
+    if out is None and lse is None:
+        leaves = [t.detach().to(device, dtype).requires_grad_(True) for t in (q, k, v)]
+        with torch.enable_grad():
+            o = dense_attention(*leaves, cu_seqlens_q, cu_seqlens_k, causal, scale, dtype, device=device)
+            if not o.requires_grad:  # no row sees a key: nothing depends on q, k, v
+                return (o,) + tuple(torch.zeros_like(t) for t in leaves)
+            grads = torch.autograd.grad(o, leaves, grad_out.detach().to(device, dtype), allow_unused=True)
+        return (o.detach(),) + tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads))
+    q, k, v, go = (t.detach().to(device, dtype) for t in (q, k, v, grad_out))
+    hkv, grp = k.shape[1], q.shape[1] // k.shape[1]
+    o = torch.zeros(q.shape, dtype=dtype, device=device)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for rows, keys, s, ks, vs in _dense_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dtype, device):
+        p = _softmax(s) if lse is None else torch.exp(s - lse[:, rows].to(device, dtype)[..., None])
+        o[rows] = torch.einsum("hqk,khd->qhd", p, vs)
+        o_for_d = o[rows] if out is None else out[rows].to(device, dtype)
+        d_row = (go[rows] * o_for_d).sum(-1).t()[..., None]  # [Hq, Lq, 1]
+        ds = p * (torch.einsum("qhd,khd->hqk", go[rows], vs) - d_row) * scale
+        dq[rows] = torch.einsum("hqk,khd->qhd", ds, ks)
+        dk[keys] = torch.einsum("hqk,qhd->khd", ds, q[rows]).unflatten(1, (hkv, grp)).sum(2)
+        dv[keys] = torch.einsum("hqk,qhd->khd", p, go[rows]).unflatten(1, (hkv, grp)).sum(2)
+    return o, dq, dk, dv
 
 
 def reference_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float) -> torch.Tensor:

@@ -7,7 +7,7 @@ Install with ``pip install "ragged-compile[test]"`` (brings Hypothesis and pytes
 What it holds:
 
 * Strategies for **layouts**: :func:`layouts` draws a :class:`Layout` with empty
-  and one-token segments, floods of tiny segments (when ``max_segments`` allows),
+  and one-token segments, floods of tiny segments (when ``max_tiny_segments`` allows),
   uniform lengths, all-empty batches, cross layouts (independent q and k/v
   lengths) and, given a ``bucket``, layouts that fill the bucket exactly.
   :func:`segment_lengths` and :func:`tiny_segment_lengths` are the building blocks.
@@ -15,6 +15,9 @@ What it holds:
   :func:`ragged_compile.ragged_attention` keyword arguments (random q/k/v, GQA
   ratios, head dims incl. 72/80/96, dtypes, causal, scale).
   :func:`attention_cases` draws the same as a reproducible :class:`AttentionCase`.
+* Every strategy keeps, in every draw, every bound it is given, and checks its
+  arguments when it is made: a bad or contradictory one raises ``ValueError``
+  naming it.
 * **Checks**: :func:`assert_matches_reference` (a float64 per-segment oracle with
   dtype-aware tolerances), :func:`check_segment_independence` (perturb and
   poison one segment of your model's input: nothing else may move) and
@@ -39,7 +42,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import random
+from collections.abc import Iterable
 from typing import Callable, NamedTuple
 
 import torch
@@ -99,6 +104,68 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 _PER_SEGMENT_DRAWS = 256
 
 
+# --------------------------------------------------------------------------- arguments
+
+
+class _Default(int):
+    """An int default that a ``bucket`` replaces (an explicit bound is combined with
+    the bucket's, the tighter one holding); prints as the plain number."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+
+def _count(name: str, value, *, minimum: int = 0, optional: bool = False) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= ``minimum`` (or None)."""
+    if value is None and optional:
+        return
+    if not _int_at_least(value, minimum):
+        also = " or None" if optional else ""
+        raise ValueError(f"{name} must be an int >= {minimum}{also}, got {value!r}")
+
+
+def _flag(name: str, value, *, optional: bool = True) -> None:
+    if not (isinstance(value, bool) or (optional and value is None)):
+        raise ValueError(f"{name} must be True, False{' or None' if optional else ''}, got {value!r}")
+
+
+def _choices(name: str, values, ok: Callable[[object], bool], what: str) -> tuple:
+    """``values`` as a non-empty tuple whose every item passes ``ok``, else a
+    ``ValueError`` naming ``name`` and the first bad item."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ValueError(f"{name} must be a tuple of {what}, got {values!r}")
+    values = tuple(values)
+    if not values:
+        raise ValueError(f"{name} must hold at least one of {what}, got ()")
+    for x in values:
+        if not ok(x):
+            raise ValueError(f"{name} must hold only {what}, got {x!r} in {name}={values!r}")
+    return values
+
+
+def _segment_range(min_segments: int, max_segments: int, limit: str = "max_segments") -> None:
+    if min_segments > max_segments:
+        raise ValueError(
+            f"min_segments ({min_segments}) > {limit} ({max_segments}): lower min_segments or raise {limit}"
+        )
+
+
+def _int_at_least(x, minimum: int) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= minimum
+
+
+def _check_dtypes(name: str, values) -> tuple[torch.dtype, ...]:
+    what = "floating dtypes of testing.DTYPES (float32, float64, bfloat16, float16)"
+    return _choices(name, values, lambda d: isinstance(d, torch.dtype) and d in DTYPES, what)
+
+
+def _check_index_dtypes(name: str, values) -> tuple[torch.dtype, ...]:
+    what = "torch.int32 / torch.int64"
+    return _choices(name, values, lambda d: isinstance(d, torch.dtype) and d in INDEX_DTYPES, what)
+
+
 # --------------------------------------------------------------------------- lengths
 
 
@@ -114,18 +181,22 @@ def _fit(lengths, max_total: int | None) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _fill(lengths, total: int) -> tuple[int, ...]:
-    """Lengths summing to exactly ``total``: clamp, then give the rest to the last segment."""
+def _fill(lengths, total: int, max_len: int | None) -> tuple[int, ...]:
+    """Lengths summing to ``total``: clamp, then give the rest to the last segments,
+    none beyond ``max_len`` (``None``: all of it to the last). Short of ``total``
+    only when ``len(lengths) * max_len < total``."""
     out = list(_fit(lengths, total))
-    if out:
-        out[-1] += total - sum(out)
+    rest = total - sum(out)
+    for i in reversed(range(len(out))):
+        add = rest if max_len is None else min(rest, max_len - out[i])
+        out[i] += add
+        rest -= add
     return tuple(out)
 
 
-@st.composite
 def tiny_segment_lengths(
-    draw, min_segments: int = 256, max_segments: int = 4096, max_len: int = 3
-) -> tuple[int, ...]:
+    min_segments: int = 256, max_segments: int = 4096, max_len: int = 3
+) -> st.SearchStrategy[tuple[int, ...]]:
     """Hundreds to thousands of segments of 0..``max_len`` tokens (mostly 0 and 1).
 
     Lengths come from a drawn seed rather than one draw per segment; the segment
@@ -134,6 +205,15 @@ def tiny_segment_lengths(
     >>> testing.tiny_segment_lengths(1000, 2000).example()  # doctest: +SKIP
     (1, 0, 1, 1, 3, 0, 1, ...)
     """
+    _count("min_segments", min_segments)
+    _count("max_segments", max_segments)
+    _count("max_len", max_len)
+    _segment_range(min_segments, max_segments)
+    return _tiny_segment_lengths(min_segments, max_segments, max_len)
+
+
+@st.composite
+def _tiny_segment_lengths(draw, min_segments, max_segments, max_len) -> tuple[int, ...]:
     n = draw(st.integers(min_segments, max_segments))
     p_empty = draw(st.sampled_from((0.0, 0.1, 0.3, 0.6)))
     p_one = draw(st.sampled_from((0.3, 0.5, 0.8)))
@@ -152,64 +232,85 @@ def tiny_segment_lengths(
 
 
 def _one_length(max_len: int) -> st.SearchStrategy[int]:
-    return st.one_of(st.just(0), st.just(1), st.integers(0, min(8, max_len)), st.integers(0, max_len))
+    return st.one_of(st.just(0), st.just(min(1, max_len)), st.integers(0, min(8, max_len)), st.integers(0, max_len))
 
 
 @st.composite
 def _seeded_lengths(draw, count: int, max_len: int) -> tuple[int, ...]:
     """``count`` mixed lengths (0, 1, short, up to ``max_len``) from one drawn seed."""
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
-    pick = (lambda: 0, lambda: 1, lambda: rng.randint(0, min(8, max_len)), lambda: rng.randint(0, max_len))
+    short = min(8, max_len)
+    pick = (lambda: 0, lambda: min(1, max_len), lambda: rng.randint(0, short), lambda: rng.randint(0, max_len))
     return tuple(rng.choice(pick)() for _ in range(count))
 
 
-@st.composite
+def _tiny_default(max_tiny_segments: int | None, max_segments: int) -> int:
+    """The largest flood: as given, else ``max_segments`` from 256 up, else none."""
+    if max_tiny_segments is not None:
+        return max_tiny_segments
+    return max_segments if max_segments >= 256 else 0
+
+
+def _draw_lengths(draw, max_segments, max_len, min_segments, max_tokens, max_tiny_segments, n):
+    """(lengths, whether they are a flood of tiny segments): :func:`segment_lengths`."""
+    kinds = ["mixed"] * 8 + ["uniform"] * 2 + ["empty"]
+    if max_tiny_segments >= 256 and n is None:
+        kinds.append("many_tiny")
+    kind = draw(st.sampled_from(kinds))
+    if kind == "many_tiny":  # beyond max_segments only when max_tiny_segments is
+        lo = max(min_segments, 256, max_segments + 1 if max_tiny_segments > max_segments else 0)
+        hi = max(lo, max_tiny_segments if max_tokens is None else min(max_tiny_segments, max_tokens))
+        return _fit(draw(_tiny_segment_lengths(lo, hi, min(3, max_len))), max_tokens), True
+    if n is not None:
+        count = n
+    elif max_segments == 0 or (min_segments == 0 and draw(st.integers(0, 15)) == 0):
+        count = 0  # n = 0 is a legal batch, but one draw in sixteen is enough
+    else:
+        count = draw(st.integers(max(1, min_segments), max_segments))
+    if kind == "empty":
+        return (0,) * count, False
+    if kind == "uniform":  # one length everywhere: the layout padded kernels like best
+        return _fit([draw(st.integers(0, max_len))] * count, max_tokens), False
+    if count > _PER_SEGMENT_DRAWS:
+        return _fit(draw(_seeded_lengths(count, max_len)), max_tokens), False
+    return _fit(draw(st.lists(_one_length(max_len), min_size=count, max_size=count)), max_tokens), False
+
+
 def segment_lengths(
-    draw,
     max_segments: int = 64,
     max_len: int = 256,
     *,
     min_segments: int = 0,
-    max_total: int | None = None,
-    allow_many_tiny: bool = True,
-    max_tiny_segments: int = 4096,
+    max_tokens: int | None = None,
+    max_tiny_segments: int | None = None,
     n: int | None = None,
-) -> tuple[int, ...]:
+) -> st.SearchStrategy[tuple[int, ...]]:
     """Per-segment token counts, as a tuple of ints.
 
-    ``n`` fixes the segment count (the k/v side of cross layouts uses it).
-    Otherwise the count is ``min_segments..max_segments``, except that with
-    ``allow_many_tiny`` about one draw in twelve is ``max(256, max_segments + 1)``
-    to ``max_tiny_segments`` segments of 0-3 tokens. About one draw in twelve has
-    every segment empty, one in six one length everywhere, one in sixteen no
-    segment at all. The total is clamped to ``max_total`` (later segments shrink first).
+    Every draw has ``min_segments..max_segments`` segments (``n``: exactly ``n``;
+    the k/v side of cross layouts uses it) of at most ``max_len`` tokens and at
+    most ``max_tokens`` in all (later segments shrink first; ``None``: no bound).
+    About one draw in twelve has every segment empty, one in six one length
+    everywhere, one in sixteen no segment at all. About one in twelve is a flood
+    of 256 to ``max_tiny_segments`` segments of 0-3 tokens when that is at least
+    256 (default: ``max_segments`` from 256 up, else no flood; ``0``: none); a
+    ``max_tiny_segments`` above ``max_segments`` lets floods exceed it.
 
     >>> testing.segment_lengths(8, 100).example()  # doctest: +SKIP
     (0, 1, 77, 3, 1)
     """
-    kinds = ["mixed"] * 8 + ["uniform"] * 2 + ["empty"]
-    if allow_many_tiny and n is None:
-        kinds.append("many_tiny")
-    kind = draw(st.sampled_from(kinds))
-    if kind == "many_tiny":
-        lo = max(min_segments, max_segments + 1, 256)
-        hi = max(lo, max_tiny_segments)
-        if max_total is not None:
-            hi = max(lo, min(hi, max_total))
-        return _fit(draw(tiny_segment_lengths(lo, hi)), max_total)
-    if n is not None:
-        count = n
-    elif min_segments == 0 and draw(st.integers(0, 15)) == 0:
-        count = 0  # n = 0 is a legal batch, but one draw in sixteen is enough
-    else:
-        count = draw(st.integers(max(1, min_segments), max(1, max_segments)))
-    if kind == "empty":
-        return (0,) * count
-    if kind == "uniform":  # one length everywhere: the layout padded kernels like best
-        return _fit([draw(st.integers(0, max_len))] * count, max_total)
-    if count > _PER_SEGMENT_DRAWS:
-        return _fit(draw(_seeded_lengths(count, max_len)), max_total)
-    return _fit(draw(st.lists(_one_length(max_len), min_size=count, max_size=count)), max_total)
+    for name, value in (("max_segments", max_segments), ("max_len", max_len), ("min_segments", min_segments)):
+        _count(name, value)
+    for name, value in (("max_tokens", max_tokens), ("max_tiny_segments", max_tiny_segments), ("n", n)):
+        _count(name, value, optional=True)
+    _segment_range(min_segments, max_segments)
+    tiny = _tiny_default(max_tiny_segments, max_segments)
+
+    @st.composite
+    def lengths(draw):
+        return _draw_lengths(draw, max_segments, max_len, min_segments, max_tokens, tiny, n)[0]
+
+    return lengths()
 
 
 def cu_seqlens(lengths, dtype: torch.dtype = torch.int32, device="cpu") -> torch.Tensor:
@@ -224,10 +325,10 @@ def cu_seqlens(lengths, dtype: torch.dtype = torch.int32, device="cpu") -> torch
     return torch.tensor(cu, dtype=dtype, device=device)
 
 
-def no_key_rows(q_lens, kv_lens, causal: bool) -> torch.Tensor:
+def no_key_rows(q_lengths, k_lengths, causal: bool) -> torch.Tensor:
     """Bool ``[Tq]``: query rows that see no key (empty k/v segment, or above the
     bottom-right causal diagonal when ``Lq > Lk``). Their attention output is zero."""
-    cu_q, cu_k = cu_seqlens(q_lens, torch.int64), cu_seqlens(kv_lens, torch.int64)
+    cu_q, cu_k = cu_seqlens(q_lengths, torch.int64), cu_seqlens(k_lengths, torch.int64)
     return ~sees_key(cu_q, cu_k, int(cu_q[-1]), causal)
 
 
@@ -320,26 +421,26 @@ def _cap_scores(q_lens, kv_lens, max_scores, is_cross):
     return tuple(q_lens), tuple(kv_lens)
 
 
-@st.composite
 def layouts(
-    draw,
     *,
-    max_segments: int = 64,
-    max_tokens: int | None = 4096,
+    max_segments: int = _Default(64),
+    max_tokens: int | None = _Default(4096),
     cross: bool | None = None,
     bucket: tuple[int, ...] | None = None,
     min_segments: int = 0,
     max_len: int | None = None,
     max_k_tokens: int | None = None,
     max_scores: int | None = None,
-    tiny_segments: int | None = None,
-) -> Layout:
+    max_tiny_segments: int | None = None,
+) -> st.SearchStrategy[Layout]:
     """A strategy of :class:`Layout`: self-attention, or cross (``cross=None``: either).
+
+    Every drawn layout keeps every bound given (the property tests of
+    ``tests/test_testing_api.py`` check each); contradictory bounds raise
+    ``ValueError`` when the strategy is made, naming the argument.
 
     Args:
         max_segments: at most this many segments (``min_segments`` at least).
-            From 256 up, about one draw in twelve is a flood of 256 to
-            ``max_segments`` segments of 0-3 tokens.
         max_tokens: at most this many q tokens (and k/v tokens unless
             ``max_k_tokens`` is given); ``None``: no bound.
         cross: ``True`` draws k/v lengths independently of q's (same segment
@@ -349,14 +450,20 @@ def layouts(
             (``n <= S``, ``total_q <= Tq``, ``total_k <= Tk``) and about one draw
             in four fills it exactly (``n == S``, ``total_q == Tq`` and, for
             cross layouts, ``total_k == Tk``; a self layout fills
-            ``min(Tq, Tk)``), as a CUDA-graph bucket is filled. Overrides
-            ``max_segments`` / ``max_tokens`` / ``max_k_tokens``.
-        max_len: longest segment before clamping to the token bound (default
-            ``min(max_tokens, 1024)``).
+            ``min(Tq, Tk)``), as a CUDA-graph bucket is filled. The bucket
+            replaces the defaults of ``max_segments`` and ``max_tokens``; given
+            explicitly as well, the tighter of each bound holds (and is what a
+            full draw fills).
+        max_len: longest segment (default ``min(max_tokens, 1024)``; filling a
+            bucket may exceed the default, never a ``max_len`` given: then a
+            full draw holds at most ``S * max_len`` tokens).
         max_scores: caps ``sum(Lq_i * Lk_i)`` (attention work) by shrinking the
-            longest segments.
-        tiny_segments: largest flood of tiny segments (default ``max_segments``
-            when it is at least 256, else no flood).
+            longest segments, full buckets included.
+        max_tiny_segments: about one draw in twelve is a flood of 256 to this
+            many segments of 0-3 tokens, when it is at least 256 (default:
+            ``max_segments`` from 256 up, else no flood; ``0``: no flood).
+            Above ``max_segments`` it lets floods, and only floods, exceed
+            ``max_segments`` (never a bucket's ``S``).
 
     Every draw mixes the cases kernels get wrong: empty segments, one-token
     segments, one length everywhere, every segment empty, no segment at all.
@@ -366,95 +473,141 @@ def layouts(
     ... def test_cross(layout):
     ...     assert layout.q_lens.dtype == torch.int32 and layout.cu_seqlens_k[-1] == layout.total_k
     """
+    _count("max_segments", max_segments)
+    _count("min_segments", min_segments)
+    for name, value in (
+        ("max_tokens", max_tokens), ("max_len", max_len), ("max_k_tokens", max_k_tokens),
+        ("max_scores", max_scores), ("max_tiny_segments", max_tiny_segments),
+    ):
+        _count(name, value, optional=True)
+    _flag("cross", cross)
+    segments_given, tokens_given = not isinstance(max_segments, _Default), not isinstance(max_tokens, _Default)
+    if max_k_tokens is None and tokens_given:
+        max_k_tokens = max_tokens
+    full = None
     if bucket is not None:
-        if len(bucket) not in (2, 3) or min(bucket) < 0:
-            raise ValueError(f"bucket must be (segments, tokens) or (segments, q_tokens, kv_tokens), got {bucket!r}")
-        max_segments, max_tokens = bucket[0], bucket[1]
-        max_k_tokens = bucket[2] if len(bucket) == 3 else bucket[1]
-    if max_segments < min_segments or max_segments < 0:
-        raise ValueError(f"need 0 <= min_segments <= max_segments, got {min_segments}, {max_segments}")
-    max_k_tokens = max_tokens if max_k_tokens is None else max_k_tokens
+        bucket = tuple(bucket) if isinstance(bucket, (tuple, list)) else bucket
+        if not isinstance(bucket, tuple) or len(bucket) not in (2, 3) or not all(_int_at_least(x, 0) for x in bucket):
+            raise ValueError(
+                f"bucket must be (segments, tokens) or (segments, q_tokens, kv_tokens) of ints >= 0, got {bucket!r}"
+            )
+        S, Tq, Tk = bucket[0], bucket[1], bucket[-1]
+        max_segments = min(S, max_segments) if segments_given else S
+        max_tokens = min(Tq, max_tokens) if tokens_given and max_tokens is not None else Tq
+        max_k_tokens = Tk if max_k_tokens is None else min(Tk, max_k_tokens)
+        max_tiny_segments = None if max_tiny_segments is None else min(max_tiny_segments, max_segments)
+        full = max_segments
+    if max_k_tokens is None:
+        max_k_tokens = max_tokens
+    limit = "the bucket's S or max_segments" if bucket is not None else "max_segments"
+    _segment_range(min_segments, max_segments, limit)
+    fill_cap = max_len  # a full bucket honours a max_len given, not the default
     if max_len is None:
-        max_len = 1024 if max_tokens is None else max(0, min(max_tokens, 1024))
-    if tiny_segments is None:
-        tiny_segments = max_segments if max_segments >= 256 else 0
+        max_len = 1024 if max_tokens is None else min(max_tokens, 1024)
+    tiny = _tiny_default(max_tiny_segments, max_segments)
+    return _layouts(
+        max_segments, max_tokens, max_k_tokens, cross, full, min_segments, max_len, fill_cap, max_scores, tiny
+    )
+
+
+@st.composite
+def _layouts(
+    draw, max_segments, max_tokens, max_k_tokens, cross, full, min_segments, max_len, fill_cap, max_scores, tiny
+) -> Layout:
     is_cross = draw(st.booleans()) if cross is None else cross
     if not is_cross and max_k_tokens is not None:  # one set of lengths obeys both bounds
         max_tokens = max_k_tokens if max_tokens is None else min(max_tokens, max_k_tokens)
-    if bucket is not None and bucket[0] > 0 and draw(st.integers(0, 3)) == 0:
-        return _full_bucket(draw, bucket[0], max_tokens, max_k_tokens, max_len, is_cross)
-
-    many = tiny_segments >= 256 and draw(st.integers(0, 11)) == 0
-    if many:  # a flood of 0-3 token segments
-        lo = max(min_segments, 256, max_segments + 1 if tiny_segments > max_segments else 0)
-        hi = max(lo, tiny_segments if max_tokens is None else min(tiny_segments, max_tokens))
-        q_lens = _fit(draw(tiny_segment_lengths(lo, hi)), max_tokens)
+    if full and draw(st.integers(0, 3)) == 0:
+        q_lens, kv_lens = _full_bucket(draw, full, max_tokens, max_k_tokens, max_len, fill_cap, is_cross)
     else:
-        q_lens = draw(
-            segment_lengths(
-                max_segments, max_len, min_segments=min_segments, max_total=max_tokens, allow_many_tiny=False
-            )
-        )
-    if not is_cross:
+        q_lens, many = _draw_lengths(draw, max_segments, max_len, min_segments, max_tokens, tiny, None)
         kv_lens = q_lens
-    else:
-        if draw(st.booleans()):  # short queries: decode / chunked-prefill shapes
-            if len(q_lens) <= _PER_SEGMENT_DRAWS:
-                q_lens = draw(st.lists(st.integers(0, 2), min_size=len(q_lens), max_size=len(q_lens)))
+        if is_cross:
+            if draw(st.booleans()):  # short queries: decode / chunked-prefill shapes
+                short = min(2, max_len)
+                if len(q_lens) <= _PER_SEGMENT_DRAWS:
+                    q_lens = draw(st.lists(st.integers(0, short), min_size=len(q_lens), max_size=len(q_lens)))
+                else:
+                    q_lens = draw(_seeded_lengths(len(q_lens), short))
+                q_lens = _fit(q_lens, max_tokens)
+            if many:
+                kv_lens = _fit(draw(_tiny_segment_lengths(len(q_lens), len(q_lens), min(3, max_len))), max_k_tokens)
             else:
-                q_lens = draw(_seeded_lengths(len(q_lens), 2))
-            q_lens = _fit(q_lens, max_tokens)
-        if many:
-            kv_lens = _fit(draw(tiny_segment_lengths(len(q_lens), len(q_lens))), max_k_tokens)
-        else:
-            kv_lens = draw(segment_lengths(max_segments, max_len, max_total=max_k_tokens, n=len(q_lens)))
+                kv_lens = _draw_lengths(draw, max_segments, max_len, 0, max_k_tokens, 0, len(q_lens))[0]
     if max_scores is not None:
         q_lens, kv_lens = _cap_scores(q_lens, kv_lens, max_scores, is_cross)
     return Layout(q_lens, kv_lens, is_cross)
 
 
-def _full_bucket(draw, S, Tq, Tk, max_len, is_cross) -> Layout:
+def _full_bucket(draw, S, Tq, Tk, max_len, fill_cap, is_cross):
     """``S`` segments holding exactly ``Tq`` (and ``Tk``) tokens, with empty and short ones."""
+
     def lengths(total):
         if S > _PER_SEGMENT_DRAWS:
-            ls = draw(_seeded_lengths(S, max(1, min(max_len, 2 * total // S + 1))))
+            ls = draw(_seeded_lengths(S, min(max_len, max(1, 2 * total // S + 1))))
         else:
-            ls = draw(st.lists(_one_length(max(1, max_len)), min_size=S, max_size=S))
-        return _fill(ls, total)
+            ls = draw(st.lists(_one_length(max_len), min_size=S, max_size=S))
+        return _fill(ls, total, fill_cap)
 
     q = lengths(Tq)
-    return Layout(q, lengths(Tk) if is_cross else q, is_cross)
+    return q, (lengths(Tk) if is_cross else q)
 
 
 # --------------------------------------------------------------------------- knobs
 
 
-@st.composite
 def head_configs(
-    draw, max_kv_heads: int = 4, ratios: tuple[int, ...] = GQA_RATIOS, max_q_heads: int = 32
-) -> tuple[int, int]:
-    """``(Hq, Hkv)`` with ``Hq = ratio * Hkv``, ratio from ``ratios`` (MQA when Hkv == 1)."""
-    ratio = draw(st.sampled_from([r for r in ratios if r <= max_q_heads] or [1]))
+    max_kv_heads: int = 4, gqa_ratios: tuple[int, ...] = GQA_RATIOS, max_q_heads: int = 32
+) -> st.SearchStrategy[tuple[int, int]]:
+    """``(Hq, Hkv)`` with ``Hq = ratio * Hkv``, ratio from ``gqa_ratios`` (MQA when
+    Hkv == 1), ``Hkv <= max_kv_heads`` and ``Hq <= max_q_heads`` (ratios above
+    ``max_q_heads`` are left out; at least one must fit)."""
+    _count("max_kv_heads", max_kv_heads, minimum=1)
+    _count("max_q_heads", max_q_heads, minimum=1)
+    gqa_ratios = _choices("gqa_ratios", gqa_ratios, lambda r: _int_at_least(r, 1), "ints >= 1")
+    if min(gqa_ratios) > max_q_heads:
+        raise ValueError(
+            f"no ratio of gqa_ratios={gqa_ratios} fits max_q_heads={max_q_heads}: raise max_q_heads "
+            "or pass a ratio <= max_q_heads"
+        )
+    return _head_configs(max_kv_heads, gqa_ratios, max_q_heads)
+
+
+@st.composite
+def _head_configs(draw, max_kv_heads, gqa_ratios, max_q_heads) -> tuple[int, int]:
+    ratio = draw(st.sampled_from([r for r in gqa_ratios if r <= max_q_heads]))
     hkv = draw(st.integers(1, max(1, min(max_kv_heads, max_q_heads // ratio))))
     return ratio * hkv, hkv
 
 
 def head_dims(choices: tuple[int, ...] = HEAD_DIMS) -> st.SearchStrategy[int]:
     """Head dims, by default powers of two 8..256 and the padded 72/80/96."""
-    return st.sampled_from(choices)
+    return st.sampled_from(_choices("choices", choices, lambda d: _int_at_least(d, 1), "head dims (ints >= 1)"))
 
 
 def scales(min_value: float = 1e-3, max_value: float = 1.0) -> st.SearchStrategy[float | None]:
     """``None`` (the default ``D ** -0.5``) or a finite positive float."""
+    for name, value in (("min_value", min_value), ("max_value", max_value)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a finite float > 0, got {value!r}")
+    if min_value > max_value:
+        raise ValueError(f"min_value ({min_value}) > max_value ({max_value})")
     return st.one_of(st.none(), st.floats(min_value, max_value, allow_nan=False, allow_infinity=False))
 
 
 def dtypes(choices: tuple[torch.dtype, ...] = DTYPES) -> st.SearchStrategy[torch.dtype]:
-    return st.sampled_from(choices)
+    """q/k/v dtypes, by default every one of :data:`DTYPES`."""
+    return st.sampled_from(_check_dtypes("choices", choices))
 
 
-def index_dtypes() -> st.SearchStrategy[torch.dtype]:
-    return st.sampled_from(INDEX_DTYPES)
+def index_dtypes(choices: tuple[torch.dtype, ...] = INDEX_DTYPES) -> st.SearchStrategy[torch.dtype]:
+    """Offset dtypes, by default int32 and int64."""
+    return st.sampled_from(_check_index_dtypes("choices", choices))
+
+
+# The strategies under other names, for functions whose parameters are called
+# ``dtypes``, ``head_dims`` and ``index_dtypes``.
+_dtype_strategy, _head_dim_strategy, _index_dtype_strategy = dtypes, head_dims, index_dtypes
 
 
 # --------------------------------------------------------------------------- attention calls
@@ -572,39 +725,67 @@ class AttentionCase:
         )
 
 
-@st.composite
 def attention_cases(
-    draw,
     *,
     layout: Layout | st.SearchStrategy[Layout] | None = None,
-    dtypes_: tuple[torch.dtype, ...] = DTYPES,
-    head_dims_: tuple[int, ...] = HEAD_DIMS,
+    dtypes: tuple[torch.dtype, ...] = DTYPES,
+    head_dims: tuple[int, ...] = HEAD_DIMS,
     gqa_ratios: tuple[int, ...] = GQA_RATIOS,
     max_segments: int = 64,
     min_segments: int = 0,
     max_len: int = 256,
     max_elements: int = 1 << 17,
     max_score_elements: int = 1 << 21,
-    allow_many_tiny: bool = True,
     max_tiny_segments: int = 4096,
     cross: bool | None = None,
     causal: bool | None = None,
-    index_dtypes_: tuple[torch.dtype, ...] = INDEX_DTYPES,
+    index_dtypes: tuple[torch.dtype, ...] = INDEX_DTYPES,
     fused_qkv: bool = True,
-) -> AttentionCase:
+) -> st.SearchStrategy[AttentionCase]:
     """A complete :class:`AttentionCase` with bounded work.
 
     ``layout``: a fixed :class:`Layout` or a strategy of them; otherwise one is
-    drawn within ``max_elements`` (caps ``tokens * Hq * D`` of q and of k/v) and
-    ``max_score_elements`` (caps ``sum(Lq_i * Lk_i) * Hq * D``, the matmul work).
-    Heads shrink first for long head dims, so large D still gets real lengths;
-    floods of tiny segments (up to ``max_tiny_segments``, beyond ``max_segments``)
-    get one k/v head.
+    drawn by :func:`layouts` within ``max_elements`` (caps ``tokens * Hq * D`` of
+    q and of k/v) and ``max_score_elements`` (caps ``sum(Lq_i * Lk_i) * Hq * D``,
+    the matmul work), with ``max_segments``, ``min_segments``, ``max_len``,
+    ``max_tiny_segments`` (floods of tiny segments beyond ``max_segments``;
+    ``0``: none) and ``cross`` as there. Heads shrink first for long head dims
+    (``Hq * D <= 1024`` unless the smallest of ``gqa_ratios`` needs more), so
+    large D still gets real lengths; floods get one k/v head.
+    ``dtypes``, ``head_dims``, ``gqa_ratios``, ``index_dtypes``: drawn from.
+    ``causal``: ``None`` draws both. ``fused_qkv``: about one self layout in
+    four has q, k and v as slices of one tensor.
     """
-    dtype = draw(dtypes(dtypes_))
-    D = draw(head_dims(head_dims_))
-    max_hq = max(1, min(32, 1024 // D))  # keep Hq * D <= 1024
-    hq, hkv = draw(head_configs(max_kv_heads=4, ratios=gqa_ratios, max_q_heads=max_hq))
+    dtypes = _check_dtypes("dtypes", dtypes)
+    head_dims = _choices("head_dims", head_dims, lambda d: _int_at_least(d, 1), "head dims (ints >= 1)")
+    gqa_ratios = _choices("gqa_ratios", gqa_ratios, lambda r: _int_at_least(r, 1), "ints >= 1")
+    index_dtypes = _check_index_dtypes("index_dtypes", index_dtypes)
+    for name, value in (("max_segments", max_segments), ("min_segments", min_segments), ("max_len", max_len),
+                        ("max_tiny_segments", max_tiny_segments)):
+        _count(name, value)
+    _count("max_elements", max_elements, minimum=1)
+    _count("max_score_elements", max_score_elements, minimum=1)
+    _segment_range(min_segments, max_segments)
+    _flag("cross", cross)
+    _flag("causal", causal)
+    _flag("fused_qkv", fused_qkv, optional=False)
+    if not (layout is None or isinstance(layout, (Layout, st.SearchStrategy))):
+        raise ValueError(f"layout must be a testing.Layout, a strategy of them or None, got {layout!r}")
+    return _attention_cases(
+        layout, dtypes, head_dims, gqa_ratios, max_segments, min_segments, max_len, max_elements,
+        max_score_elements, max_tiny_segments, cross, causal, index_dtypes, fused_qkv,
+    )
+
+
+@st.composite
+def _attention_cases(
+    draw, layout, dtypes, head_dims, gqa_ratios, max_segments, min_segments, max_len, max_elements,
+    max_score_elements, max_tiny_segments, cross, causal, index_dtypes, fused_qkv,
+) -> AttentionCase:
+    dtype = draw(_dtype_strategy(dtypes))
+    D = draw(_head_dim_strategy(head_dims))
+    max_hq = max(min(gqa_ratios), min(32, 1024 // D))  # Hq * D <= 1024 where a ratio allows
+    hq, hkv = draw(head_configs(max_kv_heads=4, gqa_ratios=gqa_ratios, max_q_heads=max_hq))
     per_token = hq * D
     if layout is None:
         layout = layouts(
@@ -613,7 +794,7 @@ def attention_cases(
             max_len=max_len,
             min_segments=min_segments,
             max_scores=max(1, max_score_elements // per_token),
-            tiny_segments=max_tiny_segments if allow_many_tiny else 0,
+            max_tiny_segments=max_tiny_segments,
             cross=cross,
         )
     if isinstance(layout, st.SearchStrategy):
@@ -629,7 +810,7 @@ def attention_cases(
         causal=draw(st.booleans()) if causal is None else causal,
         scale=draw(scales()),
         seed=draw(st.integers(0, 2**31 - 1)),
-        index_dtype=draw(st.sampled_from(index_dtypes_)),
+        index_dtype=draw(_index_dtype_strategy(index_dtypes)),
         fused_qkv=fused_qkv and (not layout.cross) and draw(st.integers(0, 3)) == 0,
         pass_cu_k=draw(st.booleans()),
     )
@@ -640,11 +821,7 @@ def attention_inputs(
     *,
     device: str | torch.device = "cpu",
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16),
-    head_dims: tuple[int, ...] = HEAD_DIMS,
-    gqa: bool = True,
-    causal: bool | None = None,
-    max_segments: int = 64,
-    max_elements: int = 1 << 17,
+    **options,
 ) -> st.SearchStrategy[AttentionArgs]:
     """A strategy of dicts of :func:`ragged_compile.ragged_attention` keyword arguments.
 
@@ -658,10 +835,12 @@ def attention_inputs(
         layout: a :class:`Layout`, a strategy of them (e.g. :func:`layouts`), or
             ``None``: drawn with at most ``max_segments`` segments (plus floods
             of tiny ones) and ``max_elements`` numbers in q.
-        dtypes, head_dims: drawn from. On CUDA pass ``dtypes=(torch.bfloat16,
-            torch.float16)``, the dtypes FlashInfer runs.
-        gqa: draw GQA/MQA ratios 2, 4, 8 as well as 1.
-        causal: ``None`` draws both.
+        dtypes: drawn from (float64 is left out by default). On CUDA pass
+            ``dtypes=(torch.bfloat16, torch.float16)``, the dtypes FlashInfer runs.
+        options: any other keyword of :func:`attention_cases`, with the same
+            names and defaults: ``head_dims``, ``gqa_ratios`` (``(1,)``: no
+            GQA/MQA), ``causal`` (``None`` draws both), ``cross``,
+            ``max_segments``, ``max_elements``, ...
 
     >>> from hypothesis import given
     >>> @given(inputs=testing.attention_inputs(head_dims=(64, 72, 80, 96)))
@@ -669,16 +848,11 @@ def attention_inputs(
     ...     out = ragged_compile.ragged_attention(**inputs)
     ...     testing.assert_matches_reference(out, **inputs)
     """
-    cases = attention_cases(
-        layout=layout,
-        dtypes_=dtypes,
-        head_dims_=head_dims,
-        gqa_ratios=GQA_RATIOS if gqa else (1,),
-        max_segments=max_segments,
-        max_elements=max_elements,
-        causal=causal,
-    )
-    return cases.map(lambda case: case.args(device))
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be a torch.device or a device string such as 'cuda', got {device!r}") from e
+    return attention_cases(layout=layout, dtypes=dtypes, **options).map(lambda case: case.args(device))
 
 
 def scaled_examples(fraction: float = 1.0, minimum: int = 1) -> int:

@@ -16,8 +16,8 @@ import torch
 
 import ragged_compile.backends.cpu as cpu
 from ragged_compile import ragged_attention
-from ragged_compile.reference import dense_attention, reference_attention, reference_attention_backward
-from fuzz.strategies import cu_seqlens, no_key_rows
+from ragged_compile.reference import dense_gradients, reference_attention, reference_attention_backward
+from ragged_compile.testing import cu_seqlens, no_key_rows
 
 LAYOUTS = {
     "mixed": ([5, 0, 17, 1, 9, 3], None),
@@ -45,16 +45,6 @@ def _inputs(q_lens, kv_lens, hq, hkv, d, dtype, seed=0):
     return q, k, v, cu_seqlens(q_lens), cu_seqlens(kv_lens)
 
 
-def _dense_grads(q, k, v, cq, ck, causal, scale, go):
-    """float64 autograd through the dense per-segment oracle."""
-    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    out = dense_attention(*leaves, cq, ck, causal, scale)
-    if not out.requires_grad:  # no row sees a key: nothing depends on q, k, v
-        return out, [torch.zeros_like(x) for x in leaves]
-    out.backward(go.double())
-    return out.detach(), [x.grad for x in leaves]
-
-
 def _close(got, want, rtol, atol, what):
     err = (got.double() - want).abs()
     bound = atol + rtol * want.abs()
@@ -72,7 +62,7 @@ def test_matches_float64_and_reference(name, causal, heads):
     q, k, v, cq, ck = _inputs(q_lens, kv_lens, *heads, 32, torch.float32)
     scale = 0.3
     go = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
-    want, want_grads = _dense_grads(q, k, v, cq, ck, causal, scale, go)
+    want, *want_grads = dense_gradients(go, q, k, v, cq, ck, causal, scale)
 
     out = cpu.cpu_attention(q, k, v, cq, ck, causal, scale)
     _close(out, want, 1e-5, 1e-5, "out vs float64")
@@ -104,7 +94,7 @@ def test_low_precision_and_odd_head_dims(dtype, d, causal):
     q, k, v, cq, ck = _inputs(q_lens, kv_lens, 4, 1, d, dtype)  # MQA
     scale = d**-0.5
     go = torch.randn(q.shape).to(dtype)
-    want, want_grads = _dense_grads(q, k, v, cq, ck, causal, scale, go)
+    want, *want_grads = dense_gradients(go, q, k, v, cq, ck, causal, scale)
     out = ragged_attention(q, k, v, cq, ck, causal=causal)
     assert out.dtype == dtype
     rtol, atol = TOL[dtype]
@@ -139,7 +129,7 @@ def test_causal_mask_chunked_by_rows(monkeypatch):
     masks = [c.mask for c in p.calls if c.mask is not None]
     assert masks and max(m.numel() for m in masks) <= 64 and p.shared_keys
     go = torch.randn(q.shape)
-    want, want_grads = _dense_grads(q, k, v, cq, ck, True, 0.25, go)
+    want, *want_grads = dense_gradients(go, q, k, v, cq, ck, True, 0.25)
     _close(cpu.cpu_attention(q, k, v, cq, ck, True, 0.25), want, 1e-5, 1e-5, "out")
     for g, w in zip(cpu.cpu_attention_backward(go, q, k, v, cq, ck, True, 0.25), want_grads):
         _close(g, w, 1e-4, 1e-5, "grad")

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import ragged_compile as rc
-from fuzz.strategies import layouts
+from ragged_compile.testing import layouts
 from ragged_compile.buckets import Bucket, as_buckets, choose_bucket, pad_layout
 from ragged_compile.cudagraph import GraphedModel, _indptr
 from ragged_compile.reference import reference_attention, sees_key
@@ -117,9 +117,9 @@ def make_machine(device: str, cross: bool, split_kv="auto"):
                 self.used.add(b)
             self.last = (q_lens, kv_lens)
 
-        @rule(layout=layouts(max_segments=80, max_len=160, cross=cross, max_total=700))
+        @rule(layout=layouts(max_segments=80, max_len=160, cross=cross, max_tokens=700, max_tiny_segments=4096))
         def step(self, layout):
-            self._run(layout.q_lens, layout.kv_lens if cross else layout.q_lens)
+            self._run(layout.q_lengths, layout.k_lengths if cross else layout.q_lengths)
 
         @precondition(lambda self: self.last is not None and len(self.last[0]) > 1)
         @rule(data=st.data())
@@ -181,7 +181,7 @@ def test_state_machine_cuda(cross, split_kv):
 # -- pure bookkeeping -----------------------------------------------------------
 
 
-@given(layout=layouts(max_segments=80, max_len=200, allow_many_tiny=False))
+@given(layout=layouts(max_segments=80, max_len=200, max_tokens=None, max_tiny_segments=0))
 def test_pad_layout_keeps_real_segments_and_pads_to_the_ceiling(layout):
     buckets = as_buckets(BUCKETS)
     b = choose_bucket(buckets, layout.n, layout.total_q, layout.total_k)
@@ -189,13 +189,13 @@ def test_pad_layout_keeps_real_segments_and_pads_to_the_ceiling(layout):
     small = Bucket(max(layout.n - 1, 1), max(layout.total_q - 1, 1), max(layout.total_k - 1, 1))
     if not small.fits(layout.n, layout.total_q, layout.total_k):
         with pytest.raises(ValueError, match="does not fit"):
-            pad_layout(small, _cu(layout.q_lens), _cu(layout.kv_lens))
+            pad_layout(small, _cu(layout.q_lengths), _cu(layout.k_lengths))
     if b is None:
         return
-    p = pad_layout(b, _cu(layout.q_lens), _cu(layout.kv_lens))
+    p = pad_layout(b, _cu(layout.q_lengths), _cu(layout.k_lengths))
     S = b.max_segments
     assert p.cu_q.shape == (S + 2,) and p.cu_k.shape == (S + 2,)
-    assert p.cu_q[: layout.n + 1].tolist() == _cu(layout.q_lens).tolist()
+    assert p.cu_q[: layout.n + 1].tolist() == _cu(layout.q_lengths).tolist()
     assert p.cu_q[layout.n + 1 : S + 1].eq(layout.total_q).all()
     assert int(p.cu_q[-1]) == b.max_tokens_q and int(p.cu_k[-1]) == b.max_tokens_k
     # The padding segment's rows see no key: graph mode relies on that for them.
@@ -204,7 +204,7 @@ def test_pad_layout_keeps_real_segments_and_pads_to_the_ceiling(layout):
         sees = sees_key(qo.long(), kv.long(), b.max_tokens_q, causal)
         assert not sees[layout.total_q :].any()
         assert sees[: layout.total_q].tolist() == sees_key(
-            _cu(layout.q_lens), _cu(layout.kv_lens), layout.total_q, causal
+            _cu(layout.q_lengths), _cu(layout.k_lengths), layout.total_q, causal
         ).tolist()
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import find, given, settings
+from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
 import ragged_compile
@@ -96,6 +96,241 @@ def test_layout_checks_its_arguments():
         find(testing.layouts(bucket=(4,)), lambda _: True)
 
 
+# --------------------------------------------------------------------------- every bound, every draw
+
+_OMIT = object()  # an argument left out (for max_tokens, None means "no bound")
+_LAYOUT_ARGS = {
+    "max_segments": st.one_of(st.integers(0, 40), st.integers(250, 420)),
+    "max_tokens": st.one_of(st.none(), st.integers(0, 400)),
+    "min_segments": st.integers(0, 6),
+    "max_len": st.integers(0, 60),
+    "max_k_tokens": st.one_of(st.none(), st.integers(0, 400)),
+    "max_scores": st.integers(0, 3000),
+    "max_tiny_segments": st.sampled_from((0, 100, 256, 300, 500)),
+    "cross": st.one_of(st.none(), st.booleans()),
+    "bucket": st.one_of(st.tuples(st.integers(0, 24), st.integers(0, 400)), st.tuples(*[st.integers(0, 400)] * 3)),
+}
+_BOUNDS = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@st.composite
+def _some_arguments(draw, table):
+    kw = {}
+    for name, values in table.items():
+        value = draw(st.one_of(st.just(_OMIT), values), label=name)
+        if value is not _OMIT:
+            kw[name] = value
+    return kw
+
+
+def _layout_bounds(kw):
+    """The bounds layouts(**kw) documents: (S, Tq, Tk, largest flood), None for no bound."""
+    S, Tq = kw.get("max_segments", 64), kw.get("max_tokens", 4096)
+    Tk = kw.get("max_k_tokens") if kw.get("max_k_tokens") is not None else kw.get("max_tokens", None)
+    if "bucket" in kw:
+        b = kw["bucket"]
+        S = min(b[0], S) if "max_segments" in kw else b[0]
+        Tq = min(b[1], Tq) if "max_tokens" in kw and Tq is not None else b[1]
+        Tk = b[-1] if Tk is None else min(b[-1], Tk)
+    elif "max_k_tokens" not in kw or kw["max_k_tokens"] is None:
+        Tk = Tq
+    tiny = kw.get("max_tiny_segments")
+    if tiny is None:
+        tiny = S if S >= 256 else 0
+    if "bucket" in kw:
+        tiny = min(tiny, S)
+    return S, Tq, Tk, tiny
+
+
+def _rejects_contradiction(make, kw, S) -> bool:
+    """``min_segments`` above the segment bound ``S``: ``make(**kw)`` raises naming it."""
+    if kw.get("min_segments", 0) <= S:
+        return False
+    with pytest.raises(ValueError, match="min_segments"):
+        make(**kw)
+    return True
+
+
+def _assert_count(lens, n, kw, S, tiny):
+    """``min_segments <= n <= S``, or a flood (the one documented excess) of at most ``tiny``."""
+    assert n >= kw.get("min_segments", 0), (lens, kw)
+    if tiny >= 256 and tiny > S and n > S:
+        assert n <= tiny and max(lens) <= 3, (lens, kw)
+    else:
+        assert n <= S, (lens, kw)
+
+
+def _assert_within(layout, kw):
+    S, Tq, Tk, tiny = _layout_bounds(kw)
+    lens = layout.q_lengths + layout.k_lengths
+    _assert_count(lens, layout.n, kw, S, tiny)
+    if not layout.cross:
+        Tq = Tk = min((t for t in (Tq, Tk) if t is not None), default=None)
+    assert Tq is None or layout.total_q <= Tq, (layout, kw)
+    assert Tk is None or layout.total_k <= Tk, (layout, kw)
+    if "max_len" in kw:
+        assert max(lens, default=0) <= kw["max_len"], (layout, kw)
+    if "max_scores" in kw:
+        assert layout.score_elements <= kw["max_scores"], (layout, kw)
+    if kw.get("cross") is not None:
+        assert layout.cross == kw["cross"], (layout, kw)
+
+
+@_BOUNDS
+@given(kw=_some_arguments(_LAYOUT_ARGS), data=st.data())
+def test_layouts_keep_every_bound_they_are_given(kw, data):
+    if _rejects_contradiction(testing.layouts, kw, _layout_bounds(kw)[0]):
+        return
+    strategy = testing.layouts(**kw)
+    for i in range(4):
+        _assert_within(data.draw(strategy, label=f"layout {i}"), kw)
+
+
+@pytest.mark.parametrize(
+    "kw,bound",
+    [
+        (dict(max_segments=0), dict(n=0)),
+        (dict(bucket=(0, 0)), dict(n=0, total_q=0)),
+        (dict(bucket=(4, 16), max_tokens=8), dict(total_q=8, total_k=8)),
+        (dict(bucket=(4, 16), max_segments=2), dict(n=2)),
+        (dict(bucket=(3, 40, 90), max_k_tokens=50, cross=True), dict(total_k=50)),
+    ],
+)
+def test_layouts_honour_bounds_beside_a_bucket(kw, bound):
+    """The tighter of a bucket and an explicit bound holds, and full draws fill it."""
+    seen = _collect(testing.layouts(**kw))
+    for name, limit in bound.items():
+        assert all(getattr(l, name) <= limit for l in seen), (name, max(getattr(l, name) for l in seen))
+        assert any(getattr(l, name) == limit for l in seen), name
+
+
+def test_full_buckets_keep_an_explicit_max_len():
+    seen = _collect(testing.layouts(bucket=(4, 64), max_len=10, cross=False))
+    assert all(max(l.q_lengths, default=0) <= 10 for l in seen)
+    assert any(l.n == 4 and l.total_q == 40 for l in seen), "a full draw fills S * max_len"
+    # without max_len, a full bucket still holds exactly its tokens
+    assert any(l.n == 2 and l.total_q == 3000 for l in _collect(testing.layouts(bucket=(2, 3000))))
+
+
+@_BOUNDS
+@given(
+    kw=_some_arguments({k: _LAYOUT_ARGS[k] for k in ("max_segments", "max_len", "min_segments", "max_tiny_segments")}
+                       | {"max_tokens": _LAYOUT_ARGS["max_tokens"], "n": st.integers(0, 30)}),
+    data=st.data(),
+)
+def test_segment_lengths_keep_their_bounds(kw, data):
+    S = kw.get("max_segments", 64)
+    if _rejects_contradiction(testing.segment_lengths, kw, S):
+        return
+    tiny = kw.get("max_tiny_segments", S if S >= 256 else 0)
+    for _ in range(4):
+        lens = data.draw(testing.segment_lengths(**kw))
+        if "n" in kw:
+            assert len(lens) == kw["n"]
+        else:
+            _assert_count(lens, len(lens), kw, S, tiny)
+        assert max(lens, default=0) <= kw.get("max_len", 256)
+        assert kw.get("max_tokens") is None or sum(lens) <= kw["max_tokens"]
+
+
+@_BOUNDS
+@given(lo=st.integers(0, 300), extra=st.integers(0, 300), max_len=st.integers(0, 5), data=st.data())
+def test_tiny_segment_lengths_keep_their_bounds(lo, extra, max_len, data):
+    lens = data.draw(testing.tiny_segment_lengths(lo, lo + extra, max_len))
+    assert lo <= len(lens) <= lo + extra and max(lens, default=0) <= max_len
+
+
+_CASE_ARGS = {
+    "dtypes": st.lists(st.sampled_from(testing.DTYPES), min_size=1, max_size=4, unique=True).map(tuple),
+    "head_dims": st.lists(st.integers(1, 300), min_size=1, max_size=3).map(tuple),
+    "gqa_ratios": st.lists(st.sampled_from((1, 2, 3, 4, 8, 16, 64)), min_size=1, max_size=3).map(tuple),
+    "index_dtypes": st.sampled_from(((torch.int32,), (torch.int64,), testing.INDEX_DTYPES)),
+    "causal": st.one_of(st.none(), st.booleans()),
+    "cross": st.one_of(st.none(), st.booleans()),
+    "fused_qkv": st.booleans(),
+    "max_segments": st.integers(0, 20),
+    "min_segments": st.integers(0, 3),
+    "max_len": st.integers(0, 40),
+    "max_elements": st.integers(1, 1 << 14),
+    "max_score_elements": st.integers(1, 1 << 16),
+    "max_tiny_segments": st.sampled_from((0, 256, 400)),
+}
+
+
+@_BOUNDS
+@given(kw=_some_arguments(_CASE_ARGS), data=st.data())
+def test_attention_cases_and_inputs_keep_their_arguments(kw, data):
+    S = kw.get("max_segments", 64)
+    if _rejects_contradiction(testing.attention_cases, kw, S):
+        return
+    case = data.draw(testing.attention_cases(**kw), label="case")
+    layout, D = case.layout, case.head_dim
+    assert case.dtype in kw.get("dtypes", testing.DTYPES)
+    assert D in kw.get("head_dims", testing.HEAD_DIMS)
+    assert case.hq % case.hkv == 0 and case.hq // case.hkv in kw.get("gqa_ratios", testing.GQA_RATIOS)
+    assert case.index_dtype in kw.get("index_dtypes", testing.INDEX_DTYPES)
+    for name, owner in (("causal", case), ("cross", layout)):
+        if kw.get(name) is not None:
+            assert getattr(owner, name) == kw[name]
+    assert not case.fused_qkv or kw.get("fused_qkv", True)
+    _assert_count(layout.q_lengths + layout.k_lengths, layout.n, kw, S, kw.get("max_tiny_segments", 4096))
+    assert max(layout.q_lengths + layout.k_lengths, default=0) <= kw.get("max_len", 256)
+    per_token = case.hq * D
+    assert max(layout.total_q, layout.total_k) <= max(1, kw.get("max_elements", 1 << 17) // per_token)
+    assert layout.score_elements <= max(1, kw.get("max_score_elements", 1 << 21) // per_token)
+    # attention_inputs takes the same keywords and hands them on
+    inputs = data.draw(testing.attention_inputs(**{**kw, "dtypes": kw.get("dtypes", testing.DTYPES)}), label="inputs")
+    assert inputs["q"].dtype in kw.get("dtypes", testing.DTYPES)
+    assert inputs["q"].shape[-1] in kw.get("head_dims", testing.HEAD_DIMS)
+
+
+@pytest.mark.parametrize(
+    "make,name",
+    [
+        (lambda: testing.layouts(max_segments=-1), "max_segments"),
+        (lambda: testing.layouts(max_segments=2.5), "max_segments"),
+        (lambda: testing.layouts(max_tokens="8"), "max_tokens"),
+        (lambda: testing.layouts(max_len=True), "max_len"),
+        (lambda: testing.layouts(max_scores=-1), "max_scores"),
+        (lambda: testing.layouts(max_tiny_segments=-5), "max_tiny_segments"),
+        (lambda: testing.layouts(cross="yes"), "cross"),
+        (lambda: testing.layouts(bucket=(4,)), "bucket"),
+        (lambda: testing.layouts(bucket=(4, -1)), "bucket"),
+        (lambda: testing.layouts(bucket="ab"), "bucket"),
+        (lambda: testing.layouts(min_segments=5, max_segments=2), "min_segments"),
+        (lambda: testing.layouts(bucket=(2, 8), min_segments=3), "min_segments"),
+        (lambda: testing.segment_lengths(-1), "max_segments"),
+        (lambda: testing.segment_lengths(n=-1), "n"),
+        (lambda: testing.segment_lengths(2, min_segments=3), "min_segments"),
+        (lambda: testing.tiny_segment_lengths(10, 5), "min_segments"),
+        (lambda: testing.attention_inputs(head_dims=(0,)), "head_dims"),
+        (lambda: testing.attention_inputs(head_dims=(64.0,)), "head_dims"),
+        (lambda: testing.attention_inputs(head_dims=()), "head_dims"),
+        (lambda: testing.attention_inputs(dtypes=(torch.int32,)), "dtypes"),
+        (lambda: testing.attention_inputs(dtypes=torch.float32), "dtypes"),
+        (lambda: testing.attention_inputs(cross="yes"), "cross"),
+        (lambda: testing.attention_inputs(causal=1), "causal"),
+        (lambda: testing.attention_inputs(gqa_ratios=(0,)), "gqa_ratios"),
+        (lambda: testing.attention_inputs(index_dtypes=(torch.int16,)), "index_dtypes"),
+        (lambda: testing.attention_inputs(device="gpu0"), "device"),
+        (lambda: testing.attention_cases(fused_qkv=None), "fused_qkv"),
+        (lambda: testing.attention_cases(layout=[1, 2]), "layout"),
+        (lambda: testing.attention_cases(max_elements=0), "max_elements"),
+        (lambda: testing.attention_cases(min_segments=9, max_segments=4), "min_segments"),
+        (lambda: testing.head_configs(max_kv_heads=0), "max_kv_heads"),
+        (lambda: testing.head_configs(gqa_ratios=(16,), max_q_heads=8), "gqa_ratios"),
+        (lambda: testing.head_dims((-8,)), "choices"),
+        (lambda: testing.dtypes((torch.int64,)), "choices"),
+        (lambda: testing.index_dtypes((torch.float32,)), "choices"),
+        (lambda: testing.scales(0, 1), "min_value"),
+        (lambda: testing.scales(2, 1), "min_value"),
+    ],
+)
+def test_strategies_reject_bad_arguments_when_made_naming_them(make, name):
+    with pytest.raises(ValueError, match=name):
+        make()  # raised here, not at the first draw
+
+
 def test_attention_inputs_cover_gqa_odd_head_dims_dtypes_and_match_the_op():
     count = collections.Counter()
 
@@ -118,7 +353,7 @@ def test_attention_inputs_cover_gqa_odd_head_dims_dtypes_and_match_the_op():
                 "torch.float32", "torch.bfloat16", "torch.float16", "causal True", "causal False"):
         assert count[key] >= 3, (key, count)
 
-    no_gqa = _collect(testing.attention_inputs(gqa=False, causal=True, head_dims=(80,), dtypes=(torch.float64,)))
+    no_gqa = _collect(testing.attention_inputs(gqa_ratios=(1,), causal=True, head_dims=(80,), dtypes=(torch.float64,)))
     assert all(a["q"].shape[1] == a["k"].shape[1] and a["causal"] and a["q"].shape[-1] == 80 for a in no_gqa)
 
 
@@ -269,15 +504,11 @@ def test_import_ragged_compile_does_not_import_hypothesis():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).parents[1])
 
 
-def test_fuzz_strategies_keep_their_old_names_and_shapes():
-    from fuzz import strategies as old
-
-    for name in old.__all__:
-        assert hasattr(old, name), name
-    layout = find(old.layouts(max_segments=8, max_len=16, max_total=50, cross=True), lambda l: l.n >= 2)
-    assert isinstance(layout.q_lens, tuple) and isinstance(layout.kv_lens, tuple)
-    case = find(old.attention_cases(max_segments=4, dtypes_=(torch.float32,)), lambda c: c.layout.total_q > 0)
-    assert isinstance(case.q_lens, tuple) and isinstance(case.kv_lens, tuple)
+def test_lengths_are_tuples_and_cases_call_the_op():
+    layout = find(testing.layouts(max_segments=8, max_len=16, max_tokens=50, cross=True), lambda l: l.n >= 2)
+    assert isinstance(layout.q_lengths, tuple) and isinstance(layout.k_lengths, tuple)
+    case = find(testing.attention_cases(max_segments=4, dtypes=(torch.float32,)), lambda c: c.layout.total_q > 0)
+    assert isinstance(case.q_lengths, tuple) and isinstance(case.k_lengths, tuple)
     x = case.tensors()
     out = ragged_compile.ragged_attention(**case.call_kwargs(x))
     testing.assert_matches_reference(out, **case.call_kwargs(x))

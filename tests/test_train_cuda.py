@@ -17,7 +17,7 @@ import torch
 import ragged_compile as rc
 from ragged_compile import logs
 from ragged_compile.backends import fa4_backward, flash_backward
-from ragged_compile.reference import dense_attention
+from ragged_compile.reference import dense_gradients
 from ragged_compile.runtime import Runtime
 from _njt_models import SelfAttentionLayer
 
@@ -87,16 +87,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-3 * b.numel() ** 0.5))
 
 
-def _float64_grads(q, k, v, cq, ck, causal, scale, g):
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out = dense_attention(q64, k64, v64, cq, ck, causal, scale, dtype=torch.float64)
-    loss = (out * g.double().cpu()).sum()  # dense_attention computes on the CPU
-    if loss.requires_grad:  # no key anywhere: a constant zero output, zero gradients
-        loss.backward()
-    grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in (q64, k64, v64))
-    return out.detach(), grads
-
-
 def _assert_close_grads(got, want, dtype, what):
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
@@ -121,7 +111,7 @@ def test_gradients_match_float64_autograd(backward_kernel, backend, layout, caus
     with Runtime(backend=backend).step():
         out = rc.ragged_attention(q, k, v, cq, ck, causal=causal)
     out.backward(g)
-    want_out, want = _float64_grads(q, k, v, cq, ck, causal, scale, g)
+    want_out, *want = dense_gradients(g, q, k, v, cq, ck, causal, scale)  # float64, on the CPU
     assert _rel(out.detach(), want_out) < 2e-2
     what = f"{backend} forward, {backward_kernel} backward, {layout} causal={causal}"
     _assert_close_grads([t.grad for t in (q, k, v)], want, q.dtype, what)
@@ -181,7 +171,7 @@ def test_fp32_trains_on_the_reference_with_one_warning(caplog):
             rc.ragged_attention(q, k, v, cq, causal=True).sum().backward()
     warns = [r for r in caplog.records if r.levelno >= logging.WARNING and "reference kernel" in r.getMessage()]
     assert len(warns) == 1, [r.getMessage() for r in caplog.records]
-    _, want = _float64_grads(q, k, v, cq, ck, True, 32**-0.5, torch.ones(q.shape, device="cuda"))
+    _, *want = dense_gradients(torch.ones(q.shape, device="cuda"), q, k, v, cq, ck, True, 32**-0.5)
     for t, w in zip((q, k, v), want):
         torch.testing.assert_close(t.grad.double() / 2, w.to(t.device), atol=1e-4, rtol=1e-4)
 
@@ -353,7 +343,7 @@ def test_compiled_varlen_attn_trains_on_our_forward():
         out, codes = run_and_get_code(rc.compile(f, fullgraph=True), q, k, v)
         out.backward(g)
     assert "ragged_attention_lse" in "\n".join(codes)
-    _, want = _float64_grads(q, k, v, cq, cq, True, 64**-0.5, g)
+    _, *want = dense_gradients(g, q, k, v, cq, cq, True, 64**-0.5)
     _assert_close_grads([t.grad for t in (q, k, v)], want, q.dtype, "varlen_attn compiled")
 
 

@@ -56,7 +56,6 @@ FALLBACKS = (
     "head reads a padded position",
     "labels at padded positions",
     "sliding window shorter than a sequence",
-    "packed-sequence kwargs given",
     "per-token input unpad does not know",
 )
 
@@ -134,8 +133,8 @@ def unpad(model, enabled: bool = True):
     see :data:`FAMILIES`). The packed layout runs on our attention only, so where
     the model's ``attn_implementation`` is not a name from
     :func:`ragged_compile.hf.register`, it is set to ``register()``'s (and put back
-    by ``enabled=False``). Other classes are accepted and always run padded
-    (logged once). Call it before ``torch.compile``.
+    by ``enabled=False``). Other classes are left untouched, said once at
+    WARNING: their calls stay padded. Call it before ``torch.compile``.
     """
     from transformers import PreTrainedModel
 
@@ -215,12 +214,14 @@ class _State:
             _warn("unknown model class", top, f" (unpad knows {', '.join(sorted(FAMILIES))}: base models and "
                   f"their heads)")
         self.set_impl = None
-        if not self.unknown and not _ours(top.config):
+        self.patched = []
+        if self.unknown:
+            return  # left as it is: every call is the padded one
+        if not _ours(top.config):
             self.set_impl = top.config._attn_implementation
             top.set_attn_implementation(register())
             log.info("ragged_compile.hf.unpad: %s attn_implementation %r -> %r", type(top).__name__,
                      self.set_impl, top.config._attn_implementation)
-        self.patched = []
         for module, fn in ((self.base, _base_forward),) + (((top, _top_forward),) if top is not self.base else ()):
             prev = module.__dict__.get("forward")
             orig = module.forward
@@ -277,11 +278,10 @@ def _bind(params, args, kwargs) -> dict:
     return call
 
 
-def _wants_tuple(module, call) -> bool:
-    rd = call.pop("return_dict", None)
-    if rd is None:
-        rd = getattr(module.config, "return_dict", True)
-    return rd is False
+def _wants_tuple(module, return_dict) -> bool:
+    if return_dict is None:
+        return_dict = getattr(module.config, "return_dict", True)
+    return return_dict is False
 
 
 def _top_forward(state, orig, params, *args, **kwargs):
@@ -293,7 +293,7 @@ def _top_forward(state, orig, params, *args, **kwargs):
         keep = call.get("logits_to_keep", 0)
         if isinstance(keep, torch.Tensor) and keep.dim() > 0:
             ctx["refuse"] = "head reads a padded position"  # logits_to_keep as indices
-    wants_tuple = _wants_tuple(state.top, call)
+    wants_tuple = _wants_tuple(state.top, call.pop("return_dict", None))
     out = orig(**call, **{_CTX: ctx}, return_dict=True)
     valid = ctx["packed"]
     if valid is not None:
@@ -318,10 +318,11 @@ def _zero_fields(out, names, valid):
 def _base_forward(state, orig, params, *args, **kwargs):
     call = _bind(params, args, kwargs)
     ctx = call.pop(_CTX, None)
+    return_dict = call.pop("return_dict", None)
     plan = _plan(state, call, ctx)
     if plan is None:
-        return orig(**call)
-    wants_tuple = _wants_tuple(state.base, call)
+        return orig(**call) if return_dict is None else orig(**call, return_dict=return_dict)
+    wants_tuple = _wants_tuple(state.base, return_dict)
     out = orig(**plan["call"], return_dict=True)
     out = _scatter(state, out, plan)
     if ctx is not None:
@@ -332,14 +333,10 @@ def _base_forward(state, orig, params, *args, **kwargs):
 def _static_reason(state, call, ctx) -> str | None:
     """Reasons known without reading the mask (no device sync)."""
     base, config = state.base, state.base.config
-    if state.unknown:
-        return "unknown model class"
     if ctx is not None and ctx.get("refuse"):
         return ctx["refuse"]
     if not _ours(config):
         return "attention implementation is not ours"
-    if any(call.get(k) is not None for k in _PACKED_KWARGS):
-        return "packed-sequence kwargs given"
     if call.get("use_cache") or call.get("cache") is not None or call.get("past_key_values") is not None:
         return "use_cache / past_key_values"
     if call.get("output_attentions") or getattr(config, "output_attentions", False):
@@ -405,6 +402,8 @@ def _window(config) -> int | None:
 def _plan(state, call, ctx):
     """The packed call, or None for the padded one. Runs eagerly (a graph break
     under torch.compile): the one host read of the mask's lengths is here."""
+    if any(call.get(k) is not None for k in _PACKED_KWARGS):
+        return None  # packed already: runs as given
     reason = _static_reason(state, call, ctx)
     if reason is None:
         mask = call["attention_mask"]

@@ -3,7 +3,6 @@ same weights run padded on "sdpa" (fp32, every output at valid positions, zeros 
 padded ones), the packed path seen at our op (T tokens, not B * S), and every
 fallback reason with its WARNING and the padded call's values."""
 
-import copy
 import logging
 
 import pytest
@@ -121,6 +120,8 @@ def compare(ref, out, valid, key=None):
     b, s = valid.shape
     worst = 0.0
     for k in ref.keys():
+        if k in ("cache", "past_key_values"):
+            continue  # the packed call returns none (see test_decoder_base_model_default_cache_flag)
         r, o = ref[k], out[k]
         for i, (a, c) in enumerate(zip(r, o) if isinstance(r, tuple) else [(r, o)]):
             if not isinstance(a, torch.Tensor):
@@ -191,7 +192,223 @@ def test_decoder_base_model_default_cache_flag(family):
     ref, out, rows = run_both(model, lambda m: m(**kw))
     assert packed(rows, kw["attention_mask"].bool())
     assert ref.cache is not None and out.cache is None
-    r = copy.copy(ref)
-    r["cache"] = None
-    compare(type(ref)(last_hidden_state=ref.last_hidden_state), type(out)(last_hidden_state=out.last_hidden_state),
-            kw["attention_mask"].bool(), (family, "Model", "left"))
+    compare(ref, out, kw["attention_mask"].bool(), (family, "Model", "left"))
+
+
+# -- heads ------------------------------------------------------------------------------------
+
+HEADS = [(f, suffix) for f, fam in hf_unpad.FAMILIES.items() if f not in ("mistral", "modernbert") for suffix in fam.heads]
+
+
+def _labels(family, suffix, kw, g):
+    b, s = kw["attention_mask"].shape
+    valid = kw["attention_mask"].bool()
+    head = hf_unpad.FAMILIES[family].heads[suffix]
+    out = {}
+    if suffix == "ForPreTraining" and family == "electra":
+        out["labels"] = (torch.rand(b, s, generator=g) > 0.5).long()  # the loss masks with attention_mask
+    elif head.labels == "shifted":
+        out["labels"] = kw["input_ids"].masked_fill(~valid, -100)
+    elif head.labels == "tokens":
+        out["labels"] = torch.randint(0, 2, (b, s), generator=g).masked_fill(~valid, -100)
+    else:
+        out["labels"] = torch.randint(0, 2, (b,), generator=g)
+    if suffix == "ForPreTraining" and family == "bert":
+        out["next_sentence_label"] = torch.randint(0, 2, (b,), generator=g)
+    return out
+
+
+@pytest.mark.parametrize("family,suffix", HEADS)
+@pytest.mark.parametrize("left", [False, True])
+def test_heads_with_labels(family, suffix, left):
+    head = hf_unpad.FAMILIES[family].heads[suffix]
+    model = build(family, suffix)
+    kw = inputs(family, [6, 2, 8], 8, left)
+    kw.update(_labels(family, suffix, kw, torch.Generator().manual_seed(3)))
+    valid = kw["attention_mask"].bool()
+    fn = lambda m: m(**kw, output_hidden_states=True)  # noqa: E731
+    ref, out, rows = run_both(model, fn)
+    # Left padding: [CLS] heads read position 0, and a causal loss scores the last padded
+    # position's logits against the first token: both run padded.
+    expect_packed = not left or (head.reads != "first" and head.labels != "shifted")
+    assert packed(rows, valid) == expect_packed, rows
+    if expect_packed:
+        compare(ref, out, valid, (family, suffix, "left" if left else "right"))
+        assert ref.loss is not None
+    else:
+        compare(ref, out, torch.ones_like(valid))  # the padded call itself, padded positions included
+
+
+# -- fallbacks: the padded call itself, logged once ----------------------------------------------
+
+
+def fallback(model, fn, reason, caplog, impl=NAME):
+    """unpad(model) runs fn as the padded call (same values as without unpad, on `impl`),
+    and says `reason` once at WARNING."""
+    model.set_attn_implementation(impl)
+    torch.manual_seed(0)
+    ref = fn(model)
+    hf_unpad.unpad(model)
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"), Tokens() as t:
+        torch.manual_seed(0)
+        out = fn(model)
+        fn(model)
+    hf_unpad.unpad(model, enabled=False)
+    ours = [r for r in caplog.records if r.name == "ragged_compile" and "unpad" in r.getMessage()]
+    assert len(ours) == 1 and reason in ours[0].getMessage() and ours[0].levelno == logging.WARNING, \
+        [r.getMessage() for r in ours]
+    assert reason in hf_unpad.FALLBACKS
+    for k in ref.keys():
+        if isinstance(ref[k], torch.Tensor):
+            torch.testing.assert_close(out[k], ref[k], atol=0, rtol=0)
+    return t.rows[: len(t.rows) // 2]  # the first call's
+
+
+def test_unknown_class_left_untouched(caplog):
+    from transformers import BertForQuestionAnswering
+
+    model = BertForQuestionAnswering(_config("bert")).eval()
+    kw = inputs("bert", [5, 3], 6)
+    ref = model(**kw)
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"):
+        assert hf_unpad.unpad(model) is model
+    assert "unknown model class" in caplog.text and "BertForQuestionAnswering" in caplog.text
+    assert model.config._attn_implementation == "sdpa" and "forward" not in model.__dict__
+    out = model(**kw)
+    torch.testing.assert_close(out.start_logits, ref.start_logits, atol=0, rtol=0)
+    assert hf_unpad.unpad(model, enabled=False) is model
+
+
+def test_fallback_attention_not_ours(caplog):
+    model = build("bert", "Model")
+    kw = inputs("bert", [5, 3], 6)
+    ref = model(**kw)
+    hf_unpad.unpad(model)
+    model.set_attn_implementation("sdpa")  # after unpad: cu_seq_lens would mean nothing to sdpa
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"), Tokens() as t:
+        out = model(**kw)
+    assert t.rows == [] and "attention implementation is not ours" in caplog.text
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, atol=0, rtol=0)
+
+
+def test_fallback_use_cache(caplog):
+    model = build("llama", "ForCausalLM")
+    kw = inputs("llama", [5, 3], 6, left=True)
+    rows = fallback(model, lambda m: m(**kw, use_cache=True), "use_cache / past_key_values", caplog)
+    assert rows == [12, 12]
+
+
+def test_generate_runs_padded(caplog):
+    model = build("qwen2", "ForCausalLM")
+    kw = inputs("qwen2", [6, 3, 5], 6, left=True)
+    model.set_attn_implementation(NAME)
+    gen = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    ref = model.generate(**kw, **gen)
+    hf_unpad.unpad(model)
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"):
+        out = model.generate(**kw, **gen)
+    assert torch.equal(ref, out) and "use_cache / past_key_values" in caplog.text
+
+
+def test_fallback_output_attentions(caplog):
+    model = build("bert", "Model")
+    kw = inputs("bert", [5, 3], 6)
+    fallback(model, lambda m: m(**kw, output_attentions=True), "output_attentions", caplog)
+
+
+def test_fallback_dropout_in_training(caplog):
+    """BERT's default attention dropout (0.1) in training: our attention runs stock SDPA
+    per layer for it (hf.py's "dropout in training"), so unpad keeps the padded call."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(**ENC)
+    assert cfg.attention_probs_dropout_prob == 0.1
+    torch.manual_seed(0)
+    model = BertForMaskedLM(cfg).train()
+    kw = inputs("bert", [5, 3, 6], 6)
+    kw["labels"] = kw["input_ids"].masked_fill(~kw["attention_mask"].bool(), -100)
+    rows = fallback(model, lambda m: m(**kw), "attention dropout in training", caplog)
+    assert rows == []  # stock SDPA in every layer (dropout), as without unpad
+    # eval: the same model packs
+    model.eval()
+    with Tokens() as t:
+        hf_unpad.unpad(model)(**kw)
+    assert t.rows == [14, 14]
+
+
+def test_fallback_decoder_config(caplog):
+    model = build("bert", "Model", is_decoder=True)
+    kw = inputs("bert", [5, 3], 6)
+    fallback(model, lambda m: m(**kw, use_cache=False), "decoder / cross-attention config", caplog)
+
+
+def test_fallback_4d_mask(caplog):
+    model = build("bert", "Model")
+    kw = inputs("bert", [5, 3], 6)
+    kw["attention_mask"] = kw["attention_mask"].bool()[:, None, None, :].expand(2, 1, 6, 6)
+    fallback(model, lambda m: m(**kw), "attention_mask is not a 2-D padding mask", caplog)
+
+
+def test_fallback_mask_with_holes(caplog):
+    model = build("bert", "Model")
+    kw = inputs("bert", [6, 3], 6)
+    kw["attention_mask"][0, 2] = 0
+    rows = fallback(model, lambda m: m(**kw), "valid tokens are not one run per row", caplog)
+    assert rows == []  # hf.py's own check: stock SDPA for a mask that is not padding
+
+
+def test_fallback_pooler_on_left_padding(caplog):
+    model = build("bert", "Model")
+    kw = inputs("bert", [5, 3], 6, left=True)
+    fallback(model, lambda m: m(**kw), "head reads a padded position", caplog)
+
+
+def test_fallback_decoder_classifier_reads_padding(caplog):
+    model = build("llama", "ForSequenceClassification")
+    kw = inputs("llama", [5, 3], 6)
+    kw["input_ids"] = kw["input_ids"].masked_fill(~kw["attention_mask"].bool(), 7)  # pads that are not pad_token_id
+    fallback(model, lambda m: m(**kw), "head reads a padded position", caplog)
+
+
+@pytest.mark.parametrize("family,suffix", [("bert", "ForMaskedLM"), ("llama", "ForCausalLM")])
+def test_fallback_labels_at_padded_positions(family, suffix, caplog):
+    model = build(family, suffix)
+    kw = inputs(family, [5, 3], 6)
+    kw["labels"] = kw["input_ids"].clone()  # not -100 at the padding
+    fallback(model, lambda m: m(**kw), "labels at padded positions", caplog)
+
+
+def test_fallback_sliding_window_mistral(caplog):
+    model = build("mistral", "ForCausalLM")  # window 6
+    kw = inputs("mistral", [8, 3], 8)
+    fallback(model, lambda m: m(**kw, use_cache=False), "sliding window shorter than a sequence", caplog)
+
+
+def test_mistral_window_spanning_every_sequence_packs():
+    model = build("mistral", "ForCausalLM")
+    kw = inputs("mistral", [6, 3, 5], 8)
+    ref, out, rows = run_both(model, lambda m: m(**kw, use_cache=False))
+    valid = kw["attention_mask"].bool()
+    assert packed(rows, valid)
+    compare(ref, out, valid, ("mistral", "ForCausalLM", "right"))
+
+
+def test_packed_call_runs_as_given(caplog):
+    """Already packed (cu_seq_lens_q/k, as DataCollatorWithFlattening gives): nothing to unpad."""
+    model = build("llama", "Model")
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    kw = dict(input_ids=torch.randint(2, 60, (1, 8)), attention_mask=torch.ones(1, 8, dtype=torch.long),
+              position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]]), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+              max_length_q=5, max_length_k=5, use_cache=False)
+    model.set_attn_implementation(NAME)
+    ref = model(**kw)
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"), Tokens() as t:
+        out = hf_unpad.unpad(model)(**kw)
+    assert t.rows == [8, 8] and "unpad" not in caplog.text
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, atol=0, rtol=0)
+
+
+def test_fallback_unknown_per_token_input(caplog):
+    model = build("bert", "Model")
+    kw = inputs("bert", [5, 3], 6)
+    fallback(model, lambda m: m(**kw, per_token_extra=torch.zeros(2, 6)), "per-token input unpad does not know", caplog)

@@ -80,7 +80,11 @@ class _Head:
 @dataclass(frozen=True)
 class _Family:
     prefix: str            # class-name prefix in transformers ("Bert", "XLMRoberta")
-    positions: str         # "column" (index in the padded row), "padding_idx" (RoBERTa), "sequence" (from 0)
+    # Position ids of a token when the caller passes none, as the model computes them on
+    # the padded batch: "column" (its index in the padded row: BERT's buffer, Llama's
+    # arange(S), also under left padding), "padding_idx" (RoBERTa: padding_idx + 1 + the
+    # count of non-pad tokens before it).
+    positions: str
     causal: bool = False
     dropout: tuple = ("attention_probs_dropout_prob",)  # config fields of the attention dropout
     heads: dict = field(default_factory=dict)
@@ -109,10 +113,10 @@ FAMILIES = {
     "distilbert": _Family("DistilBert", "column", dropout=("attention_dropout",), heads=_ENCODER_HEADS),
     # "cls" pooling reads position 0, "mean" pools with the mask (see _head_for).
     "modernbert": _Family("ModernBert", "column", dropout=("attention_dropout",), heads=_ENCODER_HEADS),
-    "llama": _Family("Llama", "sequence", True, ("attention_dropout",), _DECODER_HEADS),
-    "mistral": _Family("Mistral", "sequence", True, ("attention_dropout",), _DECODER_HEADS),
-    "qwen2": _Family("Qwen2", "sequence", True, ("attention_dropout",), _DECODER_HEADS),
-    "qwen3": _Family("Qwen3", "sequence", True, ("attention_dropout",), _DECODER_HEADS),
+    "llama": _Family("Llama", "column", True, ("attention_dropout",), _DECODER_HEADS),
+    "mistral": _Family("Mistral", "column", True, ("attention_dropout",), _DECODER_HEADS),
+    "qwen2": _Family("Qwen2", "column", True, ("attention_dropout",), _DECODER_HEADS),
+    "qwen3": _Family("Qwen3", "column", True, ("attention_dropout",), _DECODER_HEADS),
 }
 
 # Inputs gathered with the tokens; every other per-token tensor falls back.
@@ -460,8 +464,6 @@ def _pack(state, call, valid, n, start, total, longest):
     pos = call.get("position_ids")
     if pos is not None:
         pos = pos.expand(b, s).reshape(b * s)[flat]
-    elif state.family.positions == "sequence":
-        pos = offs
     elif state.family.positions == "padding_idx":
         emb = state.base.embeddings
         pad = emb.padding_idx

@@ -412,3 +412,175 @@ def test_fallback_unknown_per_token_input(caplog):
     model = build("bert", "Model")
     kw = inputs("bert", [5, 3], 6)
     fallback(model, lambda m: m(**kw, per_token_extra=torch.zeros(2, 6)), "per-token input unpad does not know", caplog)
+
+
+# -- API, autograd, compile -------------------------------------------------------------------
+
+
+def test_idempotent_undo_and_attn_implementation():
+    model = build("bert", "ForMaskedLM")
+    base_forward = type(model.bert).forward
+    assert model.config._attn_implementation == "sdpa"
+    assert hf.unpad is hf_unpad.unpad and "unpad" in hf.__all__
+    assert hf_unpad.unpad(model) is model and hf_unpad.unpad(model) is model
+    assert hf_unpad.is_unpadded(model) and model.config._attn_implementation == NAME
+    patched = model.forward
+    hf_unpad.unpad(model)
+    assert model.forward is patched  # not wrapped twice
+    hf_unpad.unpad(model, enabled=False)
+    assert not hf_unpad.is_unpadded(model) and model.config._attn_implementation == "sdpa"
+    assert "forward" not in model.__dict__ and "forward" not in model.bert.__dict__
+    assert model.bert.forward.__func__ is base_forward
+    hf_unpad.unpad(model, enabled=False)  # undoing twice: nothing
+    # A model already on our attention keeps it when undone.
+    model.set_attn_implementation(NAME)
+    hf_unpad.unpad(hf_unpad.unpad(model), enabled=False)
+    assert model.config._attn_implementation == NAME
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        hf_unpad.unpad(torch.nn.Linear(2, 2))
+
+
+def test_no_padding_skips_packing(caplog):
+    model = build("bert", "Model")
+    kw = inputs("bert", [6, 6], 6)
+    ref, out, rows = run_both(model, lambda m: m(**kw))
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"):
+        hf_unpad.unpad(model)(**kw)
+    assert rows == [12, 12] and "unpad" not in caplog.text  # the plain [B, S] call, said nothing
+    compare(ref, out, kw["attention_mask"].bool())
+    out = model(input_ids=kw["input_ids"])  # no mask at all
+    assert out.last_hidden_state.shape == (2, 6, 32)
+
+
+def test_signature_positional_tuple_and_inputs():
+    import inspect
+
+    model = build("bert", "Model", add_pooling_layer=False) if False else build("bert", "ForTokenClassification")
+    kw = inputs("bert", [5, 2, 6], 6)
+    ref = model(**kw)
+    hf_unpad.unpad(model)
+    assert list(inspect.signature(model.forward).parameters)[:2] == ["input_ids", "attention_mask"]
+    valid = kw["attention_mask"].bool()
+    out = model(kw["input_ids"], kw["attention_mask"], kw["token_type_ids"], return_dict=False)
+    assert isinstance(out, tuple)
+    torch.testing.assert_close(out[0][valid], ref.logits[valid], atol=TOL, rtol=TOL)
+    # position_ids and token_type_ids broadcast over the batch ([1, S])
+    pos = torch.arange(6)[None]
+    tt = torch.zeros(1, 6, dtype=torch.long)
+    model.set_attn_implementation("sdpa")
+    hf_unpad.unpad(model, enabled=False)
+    ref = model(input_ids=kw["input_ids"], attention_mask=kw["attention_mask"], position_ids=pos + 3, token_type_ids=tt)
+    hf_unpad.unpad(model)
+    with Tokens() as t:
+        out = model(input_ids=kw["input_ids"], attention_mask=kw["attention_mask"], position_ids=pos + 3,
+                    token_type_ids=tt)
+    assert packed(t.rows, valid)
+    torch.testing.assert_close(out.logits[valid], ref.logits[valid], atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("family", ["roberta", "llama"])
+def test_inputs_embeds_and_their_gradient(family):
+    model = build(family, "Model" if family == "llama" else "ForMaskedLM")
+    kw = inputs(family, [5, 2, 6], 6, left=family == "llama")
+    valid = kw["attention_mask"].bool()
+    emb = model.get_input_embeddings()(kw.pop("input_ids")).detach()
+
+    def run(m):
+        x = emb.clone().requires_grad_()
+        out = m(inputs_embeds=x, **kw)
+        y = out[0]
+        (y * valid[..., None]).square().sum().backward()
+        return y.detach(), x.grad
+
+    (ref, gref), (out, gout), rows = run_both(model, run)
+    assert packed(rows, valid)
+    torch.testing.assert_close(out[valid], ref[valid], atol=TOL, rtol=TOL)
+    torch.testing.assert_close(gout, gref, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("family,suffix", [("bert", "ForMaskedLM"), ("xlm-roberta", "ForSequenceClassification"),
+                                           ("distilbert", "ForTokenClassification"), ("qwen3", "ForCausalLM")])
+def test_training_gradients(family, suffix):
+    """train() with the dropouts at 0: loss and every parameter's gradient as padded."""
+    model = build(family, suffix).train()
+    kw = inputs(family, [7, 3, 8, 1], 8)
+    kw.update(_labels(family, suffix, kw, torch.Generator().manual_seed(5)))
+
+    def run(m):
+        m.zero_grad()
+        out = m(**kw)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    (lref, gref), (lout, gout), rows = run_both(model, run)
+    assert packed(rows, kw["attention_mask"].bool())
+    torch.testing.assert_close(lout, lref, atol=TOL, rtol=TOL)
+    assert gout.keys() == gref.keys()
+    worst = max((gout[n] - gref[n]).abs().max().item() for n in gref)
+    DIFFS[(family, suffix, "grad")] = worst
+    for n in gref:
+        torch.testing.assert_close(gout[n], gref[n], atol=1e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+
+
+def test_inference_mode_and_no_grad():
+    model = build("bert", "Model")
+    kw = inputs("bert", [7, 3, 8], 8)
+    ref = model(**kw)
+    hf_unpad.unpad(model)
+    valid = kw["attention_mask"].bool()
+    for ctx in (torch.inference_mode, torch.no_grad):
+        with ctx(), Tokens() as t:
+            out = model(**kw)
+        assert packed(t.rows, valid)
+        compare(ref, out, valid)
+
+
+def _graphs():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(sum(n.op == "call_function" and (n.target in OURS or any(n.target is op.overloadpacket for op in OURS))
+                          for n in gm.graph.nodes))
+        return gm.forward
+
+    return graphs, backend
+
+
+LAYOUTS = [([6, 2, 8], 8, False), ([5, 5, 1], 9, True), ([2, 7, 4], 7, False), ([3, 3, 3], 10, True),
+           ([9, 1, 4], 9, False)]
+
+
+@pytest.mark.parametrize("family,suffix,compiler", [("bert", "ForMaskedLM", "torch"), ("llama", "ForCausalLM", "torch"),
+                                                    ("qwen2", "Model", "ragged")])
+def test_compiled_one_graph_break_and_no_recompiles_across_layouts(family, suffix, compiler):
+    import ragged_compile
+
+    model = build(family, suffix)
+    ref_model = build(family, suffix)
+    hf_unpad.unpad(model)
+    graphs, backend = _graphs()
+    torch._dynamo.reset()
+    compiled = (torch.compile if compiler == "torch" else ragged_compile.compile)(model, backend=backend)
+    extra = dict(use_cache=False) if family in DECODERS else {}
+    counts = []
+    for i, (lengths, s, left) in enumerate(LAYOUTS):
+        kw = inputs(family, lengths, s, left, seed=i)
+        out = compiled(**kw, **extra)  # (no dispatch mode here: Dynamo would not compile under one)
+        ref = ref_model(**kw, **extra)
+        compare(ref, out, kw["attention_mask"].bool())
+        counts.append(len(graphs))
+    assert sum(graphs) >= 2 and graphs.count(2) >= 1  # our op, in both layers, inside one graph
+    assert counts[-1] == counts[1], counts  # new totals, lengths and widths: no new graph after the second call
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_decoder_positions_from_the_mask_as_generate_passes_them(family):
+    """The default is the model's own (arange(S): the column, also under left padding);
+    position_ids the caller gives (generate's cumsum of the mask) are gathered as given."""
+    model = build(family, "ForCausalLM")
+    kw = inputs(family, [9, 4, 1, 6], 9, left=True)
+    pos = (kw["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    ref, out, rows = run_both(model, lambda m: m(**kw, position_ids=pos, use_cache=False))
+    valid = kw["attention_mask"].bool()
+    assert packed(rows, valid)
+    compare(ref, out, valid, (family, "ForCausalLM", "left, mask positions"))

@@ -584,3 +584,82 @@ def test_decoder_positions_from_the_mask_as_generate_passes_them(family):
     valid = kw["attention_mask"].bool()
     assert packed(rows, valid)
     compare(ref, out, valid, (family, "ForCausalLM", "left, mask positions"))
+
+
+# -- ModernBERT: local layers are sliding-window attention, which our op does not take ----------
+
+
+@pytest.mark.parametrize("suffix", ["Model", "ForMaskedLM", "ForSequenceClassification"])
+def test_modernbert_packs_where_the_window_spans_every_sequence(suffix):
+    model = build("modernbert", suffix)  # local_attention 16: window 8 each side
+    kw = inputs("modernbert", [8, 3, 5], 8)
+    ref, out, rows = run_both(model, lambda m: m(**kw, output_hidden_states=True))
+    valid = kw["attention_mask"].bool()
+    assert packed(rows, valid)
+    compare(ref, out, valid, ("modernbert", suffix, "right"))
+
+
+def test_modernbert_falls_back_where_the_window_is_shorter(caplog):
+    model = build("modernbert", "Model")
+    kw = inputs("modernbert", [12, 3, 5], 12)
+    rows = fallback(model, lambda m: m(**kw), "sliding window shorter than a sequence", caplog)
+    assert rows == [36]  # the padded call: global layer on our op, local layer on stock SDPA (hf.py)
+
+
+def test_modernbert_mean_pooling_classifier_reads_the_mask():
+    model = build("modernbert", "ForSequenceClassification", classifier_pooling="mean")
+    kw = inputs("modernbert", [8, 3, 5], 8, left=True)
+    ref, out, rows = run_both(model, lambda m: m(**kw))
+    assert packed(rows, kw["attention_mask"].bool())
+    compare(ref, out, kw["attention_mask"].bool())
+
+
+# -- sentence-transformers --------------------------------------------------------------------
+
+WORDS = "the a cat dog sat on mat ran far away quick brown fox jumps over lazy river bank money".split()
+TEXTS = ["the cat sat on the mat", "a dog", "the quick brown fox jumps over the lazy dog far away",
+         "river bank", "money", "the dog ran far away on the river bank"]
+
+
+def _st_dir(tmp_path, family):
+    """A tiny model and a WordPiece tokenizer built offline, saved as a local directory."""
+    from transformers import BertTokenizerFast
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS) + "\n")
+    tok = BertTokenizerFast(vocab_file=str(vocab))
+    if family != "bert":
+        tok.padding_side = "left"  # a decoder embedder: last-token pooling over left padding
+    model = build(family, "Model", vocab_size=len(WORDS) + 5, pad_token_id=0)
+    out = tmp_path / family
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+@pytest.mark.parametrize("family,pooling", [("bert", "mean"), ("bert", "cls"), ("bert", "lasttoken"),
+                                            ("qwen3", "lasttoken"), ("qwen3", "mean")])
+def test_sentence_transformers_encode(tmp_path, family, pooling):
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    import ragged_compile.hf
+
+    path = _st_dir(tmp_path, family)
+
+    def load(impl):
+        t = Transformer(path, model_kwargs={"attn_implementation": impl})
+        return st.SentenceTransformer(modules=[t, Pooling(t.get_embedding_dimension(), pooling_mode=pooling)],
+                                      device="cpu")
+
+    ref = load("sdpa").encode(TEXTS, batch_size=4, convert_to_tensor=True)
+    model = load("sdpa")
+    ragged_compile.hf.unpad(model[0].auto_model)  # the one line
+    assert model[0].auto_model.config._attn_implementation == NAME
+    with Tokens() as t:
+        out = model.encode(TEXTS, batch_size=4, convert_to_tensor=True)
+    n_tokens = [len(model.tokenize([s])["input_ids"][0]) for s in TEXTS]
+    by_length = sorted(n_tokens, reverse=True)  # encode() batches by length
+    assert sorted(t.rows) == sorted([sum(by_length[:4]), sum(by_length[4:])] * 2), (t.rows, n_tokens)
+    torch.testing.assert_close(out, ref, atol=TOL, rtol=TOL)
+    DIFFS[("sentence-transformers", family, pooling)] = (out - ref).abs().max().item()

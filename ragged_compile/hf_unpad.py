@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-__all__ = ["unpad", "FALLBACKS", "FAMILIES"]
+__all__ = ["unpad", "is_unpadded", "FALLBACKS", "FAMILIES"]
 
 log = logging.getLogger("ragged_compile")
 
@@ -90,10 +90,9 @@ class _Family:
     heads: dict = field(default_factory=dict)
 
 
-_MLM = _Head("tokens", ("logits",), "tokens")
 _TOKENS = _Head("tokens", ("logits",), "tokens")
 _FIRST = _Head("first")
-_ENCODER_HEADS = {"ForMaskedLM": _MLM, "ForTokenClassification": _TOKENS, "ForSequenceClassification": _FIRST}
+_ENCODER_HEADS = {"ForMaskedLM": _TOKENS, "ForTokenClassification": _TOKENS, "ForSequenceClassification": _FIRST}
 _DECODER_HEADS = {
     "ForCausalLM": _Head("tokens", ("logits",), "shifted"),
     "ForTokenClassification": _TOKENS,
@@ -111,7 +110,7 @@ FAMILIES = {
     # ElectraForPreTraining's loss selects the positions where attention_mask == 1.
     "electra": _Family("Electra", "column", heads={**_ENCODER_HEADS, "ForPreTraining": _Head("tokens", ("logits",))}),
     "distilbert": _Family("DistilBert", "column", dropout=("attention_dropout",), heads=_ENCODER_HEADS),
-    # "cls" pooling reads position 0, "mean" pools with the mask (see _head_for).
+    # ForSequenceClassification: "cls" pooling reads position 0, "mean" pools with the mask (_family_of).
     "modernbert": _Family("ModernBert", "column", dropout=("attention_dropout",), heads=_ENCODER_HEADS),
     "llama": _Family("Llama", "column", True, ("attention_dropout",), _DECODER_HEADS),
     "mistral": _Family("Mistral", "column", True, ("attention_dropout",), _DECODER_HEADS),
@@ -122,6 +121,7 @@ FAMILIES = {
 # Inputs gathered with the tokens; every other per-token tensor falls back.
 _PACKED_INPUTS = ("input_ids", "inputs_embeds", "token_type_ids", "position_ids")
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+_STEP_DEVICES = ("cuda",)  # where the op plans through the runtime (runtime.py)
 _CTX = "_ragged_unpad"  # private kwarg our top-level wrapper hands the head's base-model call
 
 
@@ -237,15 +237,13 @@ class _State:
             self.patched.append((module, prev))
 
     def uninstall(self):
-        from .hf import _registered
-
         for module, prev in self.patched:
             if prev is None:
                 module.__dict__.pop("forward", None)
             else:
                 module.forward = prev
         self.patched = []
-        if self.set_impl is not None and getattr(self.top.config, "_attn_implementation", None) in _registered:
+        if self.set_impl is not None and _ours(self.top.config):
             self.top.set_attn_implementation(self.set_impl)
 
     def __deepcopy__(self, memo):
@@ -327,11 +325,27 @@ def _base_forward(state, orig, params, *args, **kwargs):
     if plan is None:
         return orig(**call) if return_dict is None else orig(**call, return_dict=return_dict)
     wants_tuple = _wants_tuple(state.base, return_dict)
-    out = orig(**plan["call"], return_dict=True)
-    out = _scatter(state, out, plan)
+    out = _scatter(state, _run_packed(orig, plan), plan)
     if ctx is not None:
         ctx["packed"] = plan["valid"]
     return out.to_tuple() if wants_tuple else out
+
+
+def _run_packed(orig, plan):
+    """The packed forward. Eager on CUDA, inside a runtime step told the lengths
+    (read with the mask): every layer shares one plan and the runtime reads no
+    offsets. Compiled, the runtime reads them once per forward."""
+    lengths = plan["lengths"]
+    if lengths is None or torch.compiler.is_compiling():
+        return orig(**plan["call"], return_dict=True)
+    from .runtime import current_step, get_runtime
+
+    runtime = get_runtime(plan["valid"].device)
+    outer = current_step()
+    if outer is not None and outer.runtime is runtime:
+        return orig(**plan["call"], return_dict=True)  # the caller's step: it reads our offsets once
+    with runtime.step(seq_lens_q=lengths):
+        return orig(**plan["call"], return_dict=True)
 
 
 def _static_reason(state, call, ctx) -> str | None:
@@ -341,7 +355,8 @@ def _static_reason(state, call, ctx) -> str | None:
         return ctx["refuse"]
     if not _ours(config):
         return "attention implementation is not ours"
-    if call.get("use_cache") or call.get("cache") is not None or call.get("past_key_values") is not None:
+    if ((call.get("use_cache") and (state.family.causal or getattr(config, "is_decoder", False)))
+            or call.get("cache") is not None or call.get("past_key_values") is not None):
         return "use_cache / past_key_values"
     if call.get("output_attentions") or getattr(config, "output_attentions", False):
         return "output_attentions"
@@ -394,6 +409,9 @@ def _head_checks(state, call, ctx, valid):
     return checks, label_checks
 
 
+_READS = {"first": " (position 0)", "last_non_pad": " (the last token that is not pad_token_id)"}
+
+
 def _window(config) -> int | None:
     w = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
@@ -406,9 +424,10 @@ def _window(config) -> int | None:
 def _plan(state, call, ctx):
     """The packed call, or None for the padded one. Runs eagerly (a graph break
     under torch.compile): the one host read of the mask's lengths is here."""
-    if any(call.get(k) is not None for k in _PACKED_KWARGS):
-        return None  # packed already: runs as given
+    if any(call.get(k) is not None for k in _PACKED_KWARGS) or call.get("attention_mask") is None:
+        return None  # packed already, or no padding: runs as given
     reason = _static_reason(state, call, ctx)
+    detail = ""
     if reason is None:
         mask = call["attention_mask"]
         b, s = mask.shape
@@ -420,9 +439,11 @@ def _plan(state, call, ctx):
         col = torch.arange(s, device=mask.device)
         one_run = (((col >= start[:, None]) & (col < (start + n)[:, None])) == valid).all()
         checks, label_checks = _head_checks(state, call, ctx, valid)
-        stats = torch.stack([n.sum(), n.max(), one_run, *checks, *label_checks]).tolist()  # the one host read
+        flags = torch.stack([n.sum(), n.max(), one_run, *checks, *label_checks])
+        stats = torch.cat([flags, n]).tolist()  # the one host read: totals, checks, lengths
         total, longest, one_run = stats[:3]
-        checks, label_checks = stats[3:3 + len(checks)], stats[3 + len(checks):]
+        checks, label_checks = stats[3:3 + len(checks)], stats[3 + len(checks):len(flags)]
+        lengths = stats[len(flags):]
         if total == b * s:
             return None  # no padding: nothing to pack
         if not one_run:
@@ -431,6 +452,7 @@ def _plan(state, call, ctx):
             return None
         elif not all(checks):
             reason = "head reads a padded position"
+            detail = _READS[(ctx["head"] if ctx is not None else _FIRST).reads]
         elif not all(label_checks):
             reason = "labels at padded positions"
         else:
@@ -438,9 +460,11 @@ def _plan(state, call, ctx):
             if w is not None and longest > w:
                 reason = "sliding window shorter than a sequence"
     if reason is not None:
-        _warn(reason, state.top)
+        _warn(reason, state.top, detail)
         return None
-    return _pack(state, call, valid, n, start, total, longest)
+    plan = _pack(state, call, valid, n, start, total, longest)
+    plan["lengths"] = lengths if valid.device.type in _STEP_DEVICES else None
+    return plan
 
 
 def _pack(state, call, valid, n, start, total, longest):

@@ -455,7 +455,7 @@ def test_no_padding_skips_packing(caplog):
 def test_signature_positional_tuple_and_inputs():
     import inspect
 
-    model = build("bert", "Model", add_pooling_layer=False) if False else build("bert", "ForTokenClassification")
+    model = build("bert", "ForTokenClassification")
     kw = inputs("bert", [5, 2, 6], 6)
     ref = model(**kw)
     hf_unpad.unpad(model)
@@ -663,3 +663,162 @@ def test_sentence_transformers_encode(tmp_path, family, pooling):
     assert sorted(t.rows) == sorted([sum(by_length[:4]), sum(by_length[4:])] * 2), (t.rows, n_tokens)
     torch.testing.assert_close(out, ref, atol=TOL, rtol=TOL)
     DIFFS[("sentence-transformers", family, pooling)] = (out - ref).abs().max().item()
+
+
+# -- CUDA: FlashInfer through the runtime -----------------------------------------------------------
+
+
+def _cuda_model(family, suffix, **extra):
+    # head dim 64 (FlashInfer's), bf16
+    kw = dict(hidden_size=256, intermediate_size=512, **extra)
+    if family == "qwen3":
+        kw["head_dim"] = 64
+    return build(family, suffix, **kw).cuda().bfloat16()
+
+
+def _cuda_inputs(family, lengths, s, left=False):
+    return {k: v.cuda() for k, v in inputs(family, lengths, s, left).items()}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family,suffix,left", [("bert", "Model", False), ("xlm-roberta", "ForMaskedLM", True),
+                                                ("qwen3", "ForCausalLM", True), ("llama", "Model", False)])
+def test_cuda_packed_one_plan_per_forward(family, suffix, left):
+    from ragged_compile.runtime import get_runtime
+
+    model = _cuda_model(family, suffix)
+    kw = _cuda_inputs(family, [37, 5, 64, 1, 20], 64, left)
+    if family in DECODERS:
+        kw["use_cache"] = False
+    valid = kw["attention_mask"].bool()
+    rt = get_runtime(torch.device("cuda"))
+    with torch.no_grad():
+        ref = model(**kw)
+        hf_unpad.unpad(model)
+        with Tokens() as t:
+            out = model(**kw)
+        assert packed(t.rows, valid.cpu())
+        for mode in (torch.no_grad, torch.inference_mode):
+            with mode():
+                before = dict(rt.stats)
+                model(**kw)
+            # every layer on one plan; the lengths came with the mask's read: no offsets read
+            assert rt.stats["plans"] - before.get("plans", 0) == 1
+            assert rt.stats["syncs"] - before.get("syncs", 0) == 0
+    k = "logits" if "logits" in ref else "last_hidden_state"
+    torch.testing.assert_close(out[k][valid].float(), ref[k][valid].float(), atol=5e-2, rtol=5e-2)
+    assert not out[k][~valid].any()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family,suffix", [("bert", "ForMaskedLM"), ("qwen2", "ForCausalLM")])
+def test_cuda_training_gradients(family, suffix):
+    model = _cuda_model(family, suffix).float().train()
+    kw = _cuda_inputs(family, [30, 7, 48, 2], 48)
+    kw.update({k: v.cuda() for k, v in _labels(family, suffix, {k: v.cpu() for k, v in kw.items()},
+                                                 torch.Generator().manual_seed(5)).items()})
+
+    def run(m):
+        m.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m(**kw).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    (lref, gref), (lout, gout), rows = run_both(model, run)
+    assert packed(rows, kw["attention_mask"].bool().cpu())
+    torch.testing.assert_close(lout, lref, atol=2e-2, rtol=2e-2)
+    for n in gref:
+        torch.testing.assert_close(gout[n], gref[n], atol=5e-2, rtol=5e-2, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.cuda
+def test_cuda_attention_dropout_in_training_runs_padded(caplog):
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=V, max_position_embeddings=64, hidden_size=256, num_attention_heads=4,
+                     num_hidden_layers=2, intermediate_size=512)  # attention dropout 0.1
+    model = BertForMaskedLM(cfg).cuda().train()
+    kw = _cuda_inputs("bert", [20, 5, 32], 32)
+    kw["labels"] = kw["input_ids"].masked_fill(~kw["attention_mask"].bool(), -100)
+    rows = fallback(model, lambda m: m(**kw), "attention dropout in training", caplog)
+    assert rows == []  # hf.py runs stock SDPA with dropout in every layer, as without unpad
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_across_layouts():
+    model = _cuda_model("qwen2", "ForCausalLM")
+    ref_model = _cuda_model("qwen2", "ForCausalLM")
+    hf_unpad.unpad(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        for i, (lengths, s, left) in enumerate([([30, 7, 48], 48, True), ([12, 40, 3], 40, True),
+                                                ([64, 1, 9], 64, False)]):
+            kw = _cuda_inputs("qwen2", lengths, s, left)
+            out = compiled(**kw, use_cache=False).logits
+            ref = ref_model(**kw, use_cache=False).logits
+            valid = kw["attention_mask"].bool()
+            torch.testing.assert_close(out[valid].float(), ref[valid].float(), atol=5e-2, rtol=5e-2)
+
+
+def test_eager_packed_forward_runs_in_a_runtime_step_told_the_lengths(monkeypatch):
+    """On CUDA the packed forward runs inside Runtime.step(seq_lens_q=lengths): the
+    code path, on CPU (whose op needs no plan)."""
+    from ragged_compile.runtime import Runtime, current_step
+
+    seen = []
+    real = Runtime.step
+
+    def spy(self, seq_lens_q=None, seq_lens_k=None):
+        seen.append(seq_lens_q)
+        return real(self, seq_lens_q, seq_lens_k)
+
+    monkeypatch.setattr(hf_unpad, "_STEP_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(Runtime, "step", spy)
+    model = build("electra", "Model")
+    kw = inputs("electra", [7, 3, 8, 1], 8)
+    ref, out, rows = run_both(model, lambda m: m(**kw))
+    assert seen == [[7, 3, 8, 1]] and current_step() is None
+    compare(ref, out, kw["attention_mask"].bool())
+
+
+# -- layouts -------------------------------------------------------------------------------------
+
+
+def test_packed_total_beyond_max_positions_mixed_sides_and_empty_rows():
+    """T = 300 tokens > max_position_embeddings (64); rows padded on either side or both
+    ([pad | tokens | pad]); an empty row (no valid position: zeros)."""
+    model = build("bert", "ForMaskedLM")
+    s, b = 60, 8
+    g = torch.Generator().manual_seed(0)
+    mask = torch.zeros(b, s, dtype=torch.long)
+    spans = [(0, 60), (0, 45), (15, 60), (10, 50), (0, 0), (59, 60), (0, 55), (20, 44)]
+    for i, (a, e) in enumerate(spans):
+        mask[i, a:e] = 1
+    ids = torch.randint(5, V, (b, s), generator=g) * mask
+    kw = dict(input_ids=ids, attention_mask=mask)
+    ref, out, rows = run_both(model, lambda m: m(**kw, output_hidden_states=True))
+    valid = mask.bool()
+    assert int(valid.sum()) > 64 and packed(rows, valid)
+    compare(ref, out, valid, ("bert", "ForMaskedLM", "mixed"))
+
+
+def test_deepcopy_and_gradient_checkpointing():
+    import copy
+
+    model = build("llama", "ForCausalLM").train()
+    kw = inputs("llama", [7, 2, 5], 7)
+    kw["labels"] = kw["input_ids"].masked_fill(~kw["attention_mask"].bool(), -100)
+    ref = model(**kw).loss
+    hf_unpad.unpad(model)
+    twin = copy.deepcopy(model)
+    assert hf_unpad.is_unpadded(twin) and twin.model.forward.args[0].base is twin.model
+    twin.activation_checkpointing_enable()
+    with Tokens() as t:
+        loss = twin(**kw).loss
+        loss.backward()
+    assert t.rows[:2] == [14, 14]  # forward, then recomputed in backward
+    torch.testing.assert_close(loss, ref, atol=TOL, rtol=TOL)
+    hf_unpad.unpad(twin, enabled=False)
+    assert hf_unpad.is_unpadded(model) and "forward" in model.model.__dict__

@@ -822,3 +822,30 @@ def test_deepcopy_and_gradient_checkpointing():
     torch.testing.assert_close(loss, ref, atol=TOL, rtol=TOL)
     hf_unpad.unpad(twin, enabled=False)
     assert hf_unpad.is_unpadded(model) and "forward" in model.model.__dict__
+
+
+def test_compiled_fallback_logs_and_runs_padded(caplog):
+    model = build("bert", "Model")  # a pooler: left padding runs padded
+    ref_model = build("bert", "Model")
+    hf_unpad.unpad(model)
+    graphs, backend = _graphs()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    for left in (True, False):
+        kw = inputs("bert", [6, 2, 8], 8, left)
+        with caplog.at_level(logging.WARNING, logger="ragged_compile"):
+            out = compiled(**kw)
+        valid = kw["attention_mask"].bool()
+        compare(ref_model(**kw), out, torch.ones_like(valid) if left else valid)  # left: the padded call itself
+    assert "head reads a padded position (position 0): BertModel runs the padded call" in caplog.text
+    assert graphs.count(2) == 2  # the padded graph and the packed one, both on our op
+
+
+def test_logits_to_keep(caplog):
+    model = build("llama", "ForCausalLM")
+    kw = inputs("llama", [6, 2, 8], 8, left=True)
+    ref, out, rows = run_both(model, lambda m: m(**kw, use_cache=False, logits_to_keep=1))
+    assert packed(rows, kw["attention_mask"].bool()) and out.logits.shape[1] == 1
+    torch.testing.assert_close(out.logits, ref.logits, atol=TOL, rtol=TOL)  # left padding: the last column is valid
+    fallback(model, lambda m: m(**kw, use_cache=False, logits_to_keep=torch.tensor([0, 7])),
+             "head reads a padded position", caplog)

@@ -31,15 +31,14 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import logging
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["unpad", "is_unpadded", "FALLBACKS", "FAMILIES"]
+from .logs import log, warn_once
 
-log = logging.getLogger("ragged_compile")
+__all__ = ["unpad", "is_unpadded", "FALLBACKS", "FAMILIES"]
 
 IGNORE_INDEX = -100  # transformers' losses ignore these labels
 
@@ -88,6 +87,10 @@ class _Family:
     causal: bool = False
     dropout: tuple = ("attention_probs_dropout_prob",)  # config fields of the attention dropout
     heads: dict = field(default_factory=dict)
+    # The model takes a {layer type: mask} mapping for attention_mask: the packed call
+    # passes None for each, so transformers builds no mask and, without one, does not
+    # read the position ids back to find packed sequences (find_packed_sequence_indices).
+    mask_mapping: bool = False
 
 
 _TOKENS = _Head("tokens", ("logits",), "tokens")
@@ -114,14 +117,14 @@ FAMILIES = {
     "modernbert": _Family("ModernBert", "column", dropout=("attention_dropout",), heads=_ENCODER_HEADS),
     "llama": _Family("Llama", "column", True, ("attention_dropout",), _DECODER_HEADS),
     "mistral": _Family("Mistral", "column", True, ("attention_dropout",), _DECODER_HEADS),
-    "qwen2": _Family("Qwen2", "column", True, ("attention_dropout",), _DECODER_HEADS),
-    "qwen3": _Family("Qwen3", "column", True, ("attention_dropout",), _DECODER_HEADS),
+    "qwen2": _Family("Qwen2", "column", True, ("attention_dropout",), _DECODER_HEADS, mask_mapping=True),
+    "qwen3": _Family("Qwen3", "column", True, ("attention_dropout",), _DECODER_HEADS, mask_mapping=True),
 }
 
 # Inputs gathered with the tokens; every other per-token tensor falls back.
 _PACKED_INPUTS = ("input_ids", "inputs_embeds", "token_type_ids", "position_ids")
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-_STEP_DEVICES = ("cuda",)  # where the op plans through the runtime (runtime.py)
+_KNOWN_OFFSETS_DEVICES = ("cuda",)  # where the op plans from host offsets (runtime.py)
 _CTX = "_ragged_unpad"  # private kwarg our top-level wrapper hands the head's base-model call
 
 
@@ -256,14 +259,9 @@ class _State:
 
 # -- fallback log -------------------------------------------------------------------
 
-_warned: set[tuple] = set()
-
 
 def _warn(reason: str, module, detail: str = "") -> None:
-    key = (reason, type(module).__name__)
-    if key not in _warned:
-        _warned.add(key)
-        log.warning("ragged_compile.hf.unpad: %s%s: %s runs the padded call", reason, detail, type(module).__name__)
+    warn_once(f"hf.unpad: {reason}{detail}: {type(module).__name__} runs the padded call")
 
 
 # -- the forwards ---------------------------------------------------------------------
@@ -325,27 +323,10 @@ def _base_forward(state, orig, params, *args, **kwargs):
     if plan is None:
         return orig(**call) if return_dict is None else orig(**call, return_dict=return_dict)
     wants_tuple = _wants_tuple(state.base, return_dict)
-    out = _scatter(state, _run_packed(orig, plan), plan)
+    out = _scatter(state, orig(**plan["call"], return_dict=True), plan)
     if ctx is not None:
         ctx["packed"] = plan["valid"]
     return out.to_tuple() if wants_tuple else out
-
-
-def _run_packed(orig, plan):
-    """The packed forward. Eager on CUDA, inside a runtime step told the lengths
-    (read with the mask): every layer shares one plan and the runtime reads no
-    offsets. Compiled, the runtime reads them once per forward."""
-    lengths = plan["lengths"]
-    if lengths is None or torch.compiler.is_compiling():
-        return orig(**plan["call"], return_dict=True)
-    from .runtime import current_step, get_runtime
-
-    runtime = get_runtime(plan["valid"].device)
-    outer = current_step()
-    if outer is not None and outer.runtime is runtime:
-        return orig(**plan["call"], return_dict=True)  # the caller's step: it reads our offsets once
-    with runtime.step(seq_lens_q=lengths):
-        return orig(**plan["call"], return_dict=True)
 
 
 def _static_reason(state, call, ctx) -> str | None:
@@ -463,7 +444,14 @@ def _plan(state, call, ctx):
         _warn(reason, state.top, detail)
         return None
     plan = _pack(state, call, valid, n, start, total, longest)
-    plan["lengths"] = lengths if valid.device.type in _STEP_DEVICES else None
+    if valid.device.type in _KNOWN_OFFSETS_DEVICES:
+        # The lengths came with the mask's read: the runtime plans every layer from
+        # their host offsets and reads nothing back (eager; compiled, where the graph
+        # hands the op the same tensor).
+        from .runtime import get_runtime
+
+        host = F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+        get_runtime(valid.device).know_offsets(plan["call"]["cu_seq_lens_q"], host)
     return plan
 
 
@@ -471,12 +459,18 @@ def _pack(state, call, valid, n, start, total, longest):
     b, s = valid.shape
     dev = valid.device
     rows = torch.repeat_interleave(torch.arange(b, device=dev), n, output_size=total)
-    cu = F.pad(torch.cumsum(n, 0), (1, 0))
+    with torch.inference_mode(False):
+        # Offsets that keep a version (not inference tensors): the runtime may keep
+        # their host copy and hf.py need not copy them per forward.
+        cu = F.pad(torch.cumsum(n, 0), (1, 0))
+        cu32 = cu.to(torch.int32)
     offs = torch.arange(total, device=dev) - cu[rows]  # position within its sequence
     col = start[rows] + offs                            # column in the padded row
     flat = rows * s + col
     new = dict(call)
     new["attention_mask"] = None
+    if state.family.mask_mapping:
+        new["attention_mask"] = {t: None for t in set(state.base.config.layer_types)}
     ids, embeds = call.get("input_ids"), call.get("inputs_embeds")
     if ids is not None:
         new["input_ids"] = ids.reshape(b * s)[flat][None]
@@ -500,7 +494,6 @@ def _pack(state, call, valid, n, start, total, longest):
     new["position_ids"] = pos[None]
     if state.family.causal:
         new["use_cache"] = False
-    cu32 = cu.to(torch.int32)
     new.update(cu_seq_lens_q=cu32, cu_seq_lens_k=cu32, max_length_q=longest, max_length_k=longest)
     for k in ("input_ids", "inputs_embeds", "token_type_ids", "position_ids"):
         if new.get(k) is not None:

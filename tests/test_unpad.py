@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
-from ragged_compile import hf, hf_unpad  # noqa: E402
+from ragged_compile import hf, hf_unpad, logs  # noqa: E402
 
 NAME = hf.register()
 OURS = (torch.ops.ragged_compile.ragged_attention.default, torch.ops.ragged_compile.ragged_attention_lse.default)
@@ -33,8 +33,7 @@ class Tokens(TorchDispatchMode):
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
-    hf._warned.clear()
-    hf_unpad._warned.clear()
+    logs._seen.clear()
 
 
 def pad_mask(lengths, s, left=False):
@@ -698,7 +697,7 @@ def test_cuda_packed_one_plan_per_forward(family, suffix, left):
             with mode():
                 before = dict(rt.stats)
                 model(**kw)
-            # every layer on one plan; the lengths came with the mask's read: no offsets read
+            # every layer on one plan; the offsets' host values came with the mask's read
             assert rt.stats["plans"] - before.get("plans", 0) == 1
             assert rt.stats["syncs"] - before.get("syncs", 0) == 0
     k = "logits" if "logits" in ref else "last_hidden_state"
@@ -726,6 +725,30 @@ def test_cuda_training_gradients(family, suffix):
     torch.testing.assert_close(lout, lref, atol=2e-2, rtol=2e-2)
     for n in gref:
         torch.testing.assert_close(gout[n], gref[n], atol=5e-2, rtol=5e-2, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family,suffix,left", [("bert", "Model", False), ("qwen3", "ForCausalLM", True)])
+def test_cuda_one_sync_per_forward(family, suffix, left):
+    import warnings
+
+    model = hf_unpad.unpad(_cuda_model(family, suffix))
+    kw = _cuda_inputs(family, [40, 17, 64, 9], 64, left)
+    if family in DECODERS:
+        kw["use_cache"] = False
+    with torch.no_grad():
+        for _ in range(2):
+            model(**kw)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(1)
+            try:
+                model(**kw)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 1, syncs
 
 
 @pytest.mark.cuda
@@ -758,25 +781,52 @@ def test_cuda_compiled_across_layouts():
             torch.testing.assert_close(out[valid].float(), ref[valid].float(), atol=5e-2, rtol=5e-2)
 
 
-def test_eager_packed_forward_runs_in_a_runtime_step_told_the_lengths(monkeypatch):
-    """On CUDA the packed forward runs inside Runtime.step(seq_lens_q=lengths): the
-    code path, on CPU (whose op needs no plan)."""
-    from ragged_compile.runtime import Runtime, current_step
+class HostReads(TorchDispatchMode):
+    """Scalar reads (item / bool / equal) outside our op, as tests/test_host_reads.py."""
 
-    seen = []
-    real = Runtime.step
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
+             torch.ops.aten.is_nonzero.default, torch.ops.aten.item.default}
 
-    def spy(self, seq_lens_q=None, seq_lens_k=None):
-        seen.append(seq_lens_q)
-        return real(self, seq_lens_q, seq_lens_k)
+    def __init__(self):
+        super().__init__()
+        self.n = 0
 
-    monkeypatch.setattr(hf_unpad, "_STEP_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(Runtime, "step", spy)
-    model = build("electra", "Model")
-    kw = inputs("electra", [7, 3, 8, 1], 8)
-    ref, out, rows = run_both(model, lambda m: m(**kw))
-    assert seen == [[7, 3, 8, 1]] and current_step() is None
-    compare(ref, out, kw["attention_mask"].bool())
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family,suffix,left,others", [("bert", "Model", False, 0), ("roberta", "ForMaskedLM", True, 0),
+                                                       ("qwen3", "ForCausalLM", True, 0), ("llama", "ForCausalLM", True, 1)])
+def test_one_host_read_per_forward_and_the_runtime_told_the_offsets(family, suffix, left, others, monkeypatch):
+    """The mask's lengths, checks and totals come back in one read (a tolist, which no
+    dispatch mode sees: no scalar read is left); on CUDA the runtime is told the
+    offsets' host values from it (Runtime.know_offsets), so it reads nothing back:
+    that code path here on CPU, whose op plans nothing. Llama (and Mistral) build
+    their causal mask themselves, and transformers then reads the position ids once
+    (find_packed_sequence_indices); Qwen2/3 take a mask per layer type, so none."""
+    from ragged_compile.runtime import Runtime
+
+    told = []
+    real = Runtime.know_offsets
+
+    def spy(self, cu, host):
+        told.append((cu.clone(), host.clone()))
+        return real(self, cu, host)
+
+    monkeypatch.setattr(hf_unpad, "_KNOWN_OFFSETS_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(Runtime, "know_offsets", spy)
+    model = hf_unpad.unpad(build(family, suffix))
+    kw = inputs(family, [7, 3, 8, 1], 8, left)
+    with torch.no_grad():
+        model(**kw, **({"use_cache": False} if family in DECODERS else {}))  # warm
+        told.clear()
+        with HostReads() as reads, Tokens() as t:
+            model(**kw, **({"use_cache": False} if family in DECODERS else {}))
+    assert packed(t.rows, kw["attention_mask"].bool())
+    assert reads.n == others, f"{reads.n} scalar host reads besides the mask's"
+    assert len(told) == 1 and torch.equal(told[0][0], told[0][1])
+    assert told[0][1].tolist() == [0, 7, 10, 18, 19]
 
 
 # -- layouts -------------------------------------------------------------------------------------

@@ -15,10 +15,13 @@ and its outputs come back in the caller's ``[B, S, ...]`` shape with zeros at
 padded positions. Heads run on those padded outputs.
 
 The mask is read on the host once per forward (the packed total must be known:
-one device-to-host copy of a few numbers); everything else is device
-arithmetic, nothing per layer. Under ``torch.compile`` that read is one graph
-break; the packed forward compiles once for every total (the packed dim is
-marked dynamic).
+one device-to-host copy of the row lengths and a few checks); everything else is
+device arithmetic, nothing per layer, and on CUDA the runtime plans from the host
+offsets of that read (``Runtime.know_offsets``). Llama and Mistral build their
+causal mask themselves, so transformers reads the packed position ids once more
+(``find_packed_sequence_indices``). Under ``torch.compile`` the read is one graph
+break; the packed dim is marked dynamic, so after the recompile that new widths
+cause anyway, one graph serves every total.
 
 Calls it cannot pack exactly run the ordinary padded call (on our attention,
 see :mod:`ragged_compile.hf`), logged once per reason and class at WARNING on

@@ -38,7 +38,7 @@ from .backends.select import unsupported_reason
 from .logs import warn_once
 from .ops import ragged_attention
 
-__all__ = ["register", "attention_forward", "mask_function", "FALLBACKS", "SUPPORTED_VERSIONS"]
+__all__ = ["register", "attention_forward", "mask_function", "FALLBACKS", "SUPPORTED_VERSIONS", "unpad"]
 
 SUPPORTED_VERSIONS = ">=5.0,<6"
 
@@ -571,3 +571,4 @@ def _window_covers(layout: _Segments, window: int, compiling: bool) -> bool:
     return bool((torch.maximum(lk, lq) <= window).all())
 
 
+from .hf_unpad import unpad  # noqa: E402  (padded calls as one packed row; see hf_unpad.py)

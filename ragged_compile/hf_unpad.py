@@ -1,0 +1,533 @@
+"""Padded batches into transformers models as one packed row: ``unpad(model)``.
+
+One line, after which a padded call (``tokenizer(texts, padding=True)``) costs the
+valid tokens only::
+
+    ragged_compile.hf.unpad(model)            # sets attn_implementation to register()'s name
+    out = model(input_ids=ids, attention_mask=mask)   # padded in, padded out
+
+For a call with a 2-D padding ``attention_mask`` (right or left padding) the
+valid tokens of ``input_ids`` / ``inputs_embeds`` / ``token_type_ids`` are
+gathered into one row ``[1, T]`` with the position ids the model would have
+used, the model runs packed (``cu_seq_lens_q/k`` kwargs: one
+``ragged_compile::ragged_attention`` call per layer, no compute on padding),
+and its outputs come back in the caller's ``[B, S, ...]`` shape with zeros at
+padded positions. Heads run on those padded outputs.
+
+The mask is read on the host once per forward (the packed total must be known:
+one device-to-host copy of the row lengths and a few checks); everything else is
+device arithmetic, nothing per layer, and on CUDA the runtime plans from the host
+offsets of that read (``Runtime.know_offsets``). Llama and Mistral build their
+causal mask themselves, so transformers reads the packed position ids once more
+(``find_packed_sequence_indices``). Under ``torch.compile`` the read is one graph
+break; the packed dim is marked dynamic, so after the recompile that new widths
+cause anyway, one graph serves every total.
+
+Calls it cannot pack exactly run the ordinary padded call (on our attention,
+see :mod:`ragged_compile.hf`), logged once per reason and class at WARNING on
+the "ragged_compile" logger (:data:`FALLBACKS`). A call without padding skips
+packing silently.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .logs import log, warn_once
+
+__all__ = ["unpad", "is_unpadded", "FALLBACKS", "FAMILIES"]
+
+IGNORE_INDEX = -100  # transformers' losses ignore these labels
+
+# Reasons a call runs the padded model instead (README table).
+FALLBACKS = (
+    "unknown model class",
+    "attention implementation is not ours",
+    "use_cache / past_key_values",
+    "output_attentions",
+    "attention dropout in training",
+    "decoder / cross-attention config",
+    "attention_mask is not a 2-D padding mask",
+    "valid tokens are not one run per row",
+    "head reads a padded position",
+    "labels at padded positions",
+    "sliding window shorter than a sequence",
+    "per-token input unpad does not know",
+)
+
+
+@dataclass(frozen=True)
+class _Head:
+    """What a head reads of the base model's padded outputs.
+
+    reads: "tokens" (each valid position, or the mask itself), "first" (position 0
+    of every row: BERT's pooler, [CLS] classifiers), "last_non_pad" (the last
+    token that is not ``pad_token_id``: decoders' sequence classification).
+    per_token: output fields of shape [B, S, ...] (zeroed at padded positions).
+    labels: how ``labels`` reach logits: None (not per token, or the loss masks
+    them itself), "tokens" (label t scores logit t), "shifted" (label t + 1).
+    """
+
+    reads: str = "tokens"
+    per_token: tuple = ()
+    labels: str | None = None
+
+
+@dataclass(frozen=True)
+class _Family:
+    prefix: str            # class-name prefix in transformers ("Bert", "XLMRoberta")
+    # Position ids of a token when the caller passes none, as the model computes them on
+    # the padded batch: "column" (its index in the padded row: BERT's buffer, Llama's
+    # arange(S), also under left padding), "padding_idx" (RoBERTa: padding_idx + 1 + the
+    # count of non-pad tokens before it).
+    positions: str
+    causal: bool = False
+    dropout: tuple = ("attention_probs_dropout_prob",)  # config fields of the attention dropout
+    heads: dict = field(default_factory=dict)
+    # The model takes a {layer type: mask} mapping for attention_mask: the packed call
+    # passes None for each, so transformers builds no mask and, without one, does not
+    # read the position ids back to find packed sequences (find_packed_sequence_indices).
+    mask_mapping: bool = False
+
+
+_TOKENS = _Head("tokens", ("logits",), "tokens")
+_FIRST = _Head("first")
+_ENCODER_HEADS = {"ForMaskedLM": _TOKENS, "ForTokenClassification": _TOKENS, "ForSequenceClassification": _FIRST}
+_DECODER_HEADS = {
+    "ForCausalLM": _Head("tokens", ("logits",), "shifted"),
+    "ForTokenClassification": _TOKENS,
+    "ForSequenceClassification": _Head("last_non_pad"),
+}
+
+# model_type -> family. Classes are matched by exact name within transformers'
+# own modules, so remote code and subclasses with other forwards are "unknown".
+FAMILIES = {
+    "bert": _Family("Bert", "column", heads={
+        **_ENCODER_HEADS, "ForPreTraining": _Head("first", ("prediction_logits",), "tokens"),
+        "ForNextSentencePrediction": _FIRST}),
+    "roberta": _Family("Roberta", "padding_idx", heads=_ENCODER_HEADS),
+    "xlm-roberta": _Family("XLMRoberta", "padding_idx", heads=_ENCODER_HEADS),
+    # ElectraForPreTraining's loss selects the positions where attention_mask == 1.
+    "electra": _Family("Electra", "column", heads={**_ENCODER_HEADS, "ForPreTraining": _Head("tokens", ("logits",))}),
+    "distilbert": _Family("DistilBert", "column", dropout=("attention_dropout",), heads=_ENCODER_HEADS),
+    # ForSequenceClassification: "cls" pooling reads position 0, "mean" pools with the mask (_family_of).
+    "modernbert": _Family("ModernBert", "column", dropout=("attention_dropout",), heads=_ENCODER_HEADS),
+    "llama": _Family("Llama", "column", True, ("attention_dropout",), _DECODER_HEADS),
+    "mistral": _Family("Mistral", "column", True, ("attention_dropout",), _DECODER_HEADS),
+    "qwen2": _Family("Qwen2", "column", True, ("attention_dropout",), _DECODER_HEADS, mask_mapping=True),
+    "qwen3": _Family("Qwen3", "column", True, ("attention_dropout",), _DECODER_HEADS, mask_mapping=True),
+}
+
+# Inputs gathered with the tokens; every other per-token tensor falls back.
+_PACKED_INPUTS = ("input_ids", "inputs_embeds", "token_type_ids", "position_ids")
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+_KNOWN_OFFSETS_DEVICES = ("cuda",)  # where the op plans from host offsets (runtime.py)
+_CTX = "_ragged_unpad"  # private kwarg our top-level wrapper hands the head's base-model call
+
+
+# -- public API -----------------------------------------------------------------
+
+
+def unpad(model, enabled: bool = True):
+    """Make `model` (a transformers model) run padded batches packed; returns `model`.
+
+    In place and idempotent; ``unpad(model, enabled=False)`` undoes it. Takes the
+    base model (``BertModel``, ``LlamaModel``, ...) or a head on one
+    (``*ForMaskedLM``, ``*ForSequenceClassification``, ``*ForCausalLM``, ...,
+    see :data:`FAMILIES`). The packed layout runs on our attention only, so where
+    the model's ``attn_implementation`` is not a name from
+    :func:`ragged_compile.hf.register`, it is set to ``register()``'s (and put back
+    by ``enabled=False``). Other classes are left untouched, said once at
+    WARNING: their calls stay padded. Call it before ``torch.compile``.
+    """
+    from transformers import PreTrainedModel
+
+    model = getattr(model, "_orig_mod", model)  # an OptimizedModule: patch the module it runs
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"unpad takes a transformers PreTrainedModel, got {type(model).__name__}")
+    state = model.__dict__.get("_ragged_unpad_state")
+    if not enabled:
+        if state is not None:
+            state.uninstall()
+            del model.__dict__["_ragged_unpad_state"]
+        return model
+    if state is None:
+        state = _State(model)
+        model.__dict__["_ragged_unpad_state"] = state
+    return model
+
+
+def is_unpadded(model) -> bool:
+    return "_ragged_unpad_state" in getattr(model, "_orig_mod", model).__dict__
+
+
+# -- installation ---------------------------------------------------------------
+
+
+def _family_of(model):
+    config = getattr(model, "config", None)
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if family is None or not type(model).__module__.startswith("transformers.models."):
+        return None, None
+    name = type(model).__name__
+    if not name.startswith(family.prefix):
+        return None, None
+    suffix = name[len(family.prefix):]
+    if suffix == "Model":
+        return family, None  # the base model: its own pooler decides (see _State)
+    head = family.heads.get(suffix)
+    if head is None:
+        return None, None
+    if family.prefix == "ModernBert" and suffix == "ForSequenceClassification":
+        head = _FIRST if config.classifier_pooling == "cls" else _Head()
+    return family, head
+
+
+def _ours(config) -> bool:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from .hf import attention_forward
+
+    impl = getattr(config, "_attn_implementation", None)
+    try:
+        return impl is not None and ALL_ATTENTION_FUNCTIONS[impl] is attention_forward
+    except KeyError:
+        return False
+
+
+def _params(module) -> list[str]:
+    sig = inspect.signature(module.forward)
+    return [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+class _State:
+    """What unpad installed on one model (its top module and, for a head, its base)."""
+
+    def __init__(self, top):
+        from .hf import register
+
+        self.top = top
+        self.base = top.base_model
+        self.family, self.head = _family_of(top)
+        if self.family is not None and self.base is not top:
+            base_family, _ = _family_of(self.base)
+            if base_family is not self.family:
+                self.family = None
+        self.unknown = self.family is None
+        if self.unknown:
+            _warn("unknown model class", top, f" (unpad knows {', '.join(sorted(FAMILIES))}: base models and "
+                  f"their heads)")
+        self.set_impl = None
+        self.patched = []
+        if self.unknown:
+            return  # left as it is: every call is the padded one
+        if not _ours(top.config):
+            self.set_impl = top.config._attn_implementation
+            top.set_attn_implementation(register())
+            log.info("ragged_compile.hf.unpad: %s attn_implementation %r -> %r", type(top).__name__,
+                     self.set_impl, top.config._attn_implementation)
+        for module, fn in ((self.base, _base_forward),) + (((top, _top_forward),) if top is not self.base else ()):
+            prev = module.__dict__.get("forward")
+            orig = module.forward
+            params = _params(module)
+            wrapper = functools.partial(fn, self, orig, params)
+            wrapper.__signature__ = inspect.signature(orig)
+            wrapper.__doc__ = orig.__doc__
+            module.forward = wrapper
+            self.patched.append((module, prev))
+
+    def uninstall(self):
+        for module, prev in self.patched:
+            if prev is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = prev
+        self.patched = []
+        if self.set_impl is not None and _ours(self.top.config):
+            self.top.set_attn_implementation(self.set_impl)
+
+    def __deepcopy__(self, memo):
+        # The copy's forwards are partials over the copied state (bound to the copied modules).
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+
+# -- fallback log -------------------------------------------------------------------
+
+
+def _warn(reason: str, module, detail: str = "") -> None:
+    warn_once(f"hf.unpad: {reason}{detail}: {type(module).__name__} runs the padded call")
+
+
+# -- the forwards ---------------------------------------------------------------------
+
+
+def _bind(params, args, kwargs) -> dict:
+    if len(args) > len(params):
+        raise TypeError(f"forward takes {len(params)} positional arguments, {len(args)} given")
+    call = dict(kwargs)
+    for name, value in zip(params, args):
+        if name in call:
+            raise TypeError(f"forward got multiple values for argument {name!r}")
+        call[name] = value
+    return call
+
+
+def _wants_tuple(module, return_dict) -> bool:
+    if return_dict is None:
+        return_dict = getattr(module.config, "return_dict", True)
+    return return_dict is False
+
+
+def _top_forward(state, orig, params, *args, **kwargs):
+    """A head on a known base: hands the head's checks to the base call, then zeroes
+    the head's per-token outputs at padded positions where the base ran packed."""
+    call = _bind(params, args, kwargs)
+    ctx = {"head": state.head, "labels": call.get("labels"), "packed": None}
+    if state.head.per_token and state.family.causal:
+        keep = call.get("logits_to_keep", 0)
+        if isinstance(keep, torch.Tensor) and keep.dim() > 0:
+            ctx["refuse"] = "head reads a padded position"  # logits_to_keep as indices
+    wants_tuple = _wants_tuple(state.top, call.pop("return_dict", None))
+    out = orig(**call, **{_CTX: ctx}, return_dict=True)
+    valid = ctx["packed"]
+    if valid is not None:
+        out = _zero_fields(out, state.head.per_token, valid)
+    return out.to_tuple() if wants_tuple else out
+
+
+def _zero_fields(out, names, valid):
+    b, s = valid.shape
+    fixed = {}
+    for k in names:
+        x = out.get(k)
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] != b or not 0 < x.shape[1] <= s:
+            continue
+        v = valid[:, s - x.shape[1]:]  # logits_to_keep=k keeps the last k positions
+        fixed[k] = x.masked_fill(~v.reshape(v.shape + (1,) * (x.dim() - 2)), 0)
+    if not fixed:
+        return out
+    return type(out)(**{**dict(out.items()), **fixed})
+
+
+def _base_forward(state, orig, params, *args, **kwargs):
+    call = _bind(params, args, kwargs)
+    ctx = call.pop(_CTX, None)
+    return_dict = call.pop("return_dict", None)
+    plan = _plan(state, call, ctx)
+    if plan is None:
+        return orig(**call) if return_dict is None else orig(**call, return_dict=return_dict)
+    wants_tuple = _wants_tuple(state.base, return_dict)
+    out = _scatter(state, orig(**plan["call"], return_dict=True), plan)
+    if ctx is not None:
+        ctx["packed"] = plan["valid"]
+    return out.to_tuple() if wants_tuple else out
+
+
+def _static_reason(state, call, ctx) -> str | None:
+    """Reasons known without reading the mask (no device sync)."""
+    base, config = state.base, state.base.config
+    if ctx is not None and ctx.get("refuse"):
+        return ctx["refuse"]
+    if not _ours(config):
+        return "attention implementation is not ours"
+    if ((call.get("use_cache") and (state.family.causal or getattr(config, "is_decoder", False)))
+            or call.get("cache") is not None or call.get("past_key_values") is not None):
+        return "use_cache / past_key_values"
+    if call.get("output_attentions") or getattr(config, "output_attentions", False):
+        return "output_attentions"
+    if ((getattr(config, "is_decoder", False) and not state.family.causal)
+            or getattr(config, "add_cross_attention", False) or call.get("encoder_hidden_states") is not None):
+        return "decoder / cross-attention config"
+    if base.training and any((getattr(config, k, 0) or 0) > 0 for k in state.family.dropout):
+        return "attention dropout in training"
+    mask = call.get("attention_mask")
+    ref = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
+    if not isinstance(mask, torch.Tensor) or ref is None or mask.dim() != 2 or tuple(mask.shape) != tuple(ref.shape[:2]):
+        return "attention_mask is not a 2-D padding mask"
+    b, s = mask.shape
+    for k, v in call.items():
+        if k in _PACKED_INPUTS or k == "attention_mask" or not isinstance(v, torch.Tensor):
+            continue
+        if v.dim() >= 2 and tuple(v.shape[:2]) == (b, s):
+            return "per-token input unpad does not know"
+    for k in ("token_type_ids", "position_ids"):
+        v = call.get(k)
+        if v is not None and (v.dim() != 2 or v.shape[-1] != s or v.shape[0] not in (1, b)):
+            return "per-token input unpad does not know"
+    return None
+
+
+def _head_checks(state, call, ctx, valid):
+    """Device bools the head needs true: (to read only valid positions, for its labels
+    to score only valid logits)."""
+    head = ctx["head"] if ctx is not None else (_FIRST if getattr(state.base, "pooler", None) is not None else _Head())
+    b, s = valid.shape
+    checks, label_checks = [], []
+    if head.reads == "first":
+        checks.append(valid[:, 0].all())
+    elif head.reads == "last_non_pad":
+        pad = state.base.config.get_text_config().pad_token_id
+        ids = call.get("input_ids")
+        if pad is None or ids is None:
+            last = torch.full((b,), s - 1, device=valid.device)
+        else:
+            idx = torch.arange(s, device=valid.device, dtype=torch.int32)
+            last = (idx * (ids != pad).to(torch.int32)).argmax(-1)
+        checks.append(valid[torch.arange(b, device=valid.device), last].all())
+    labels = ctx.get("labels") if ctx is not None else None
+    if head.labels is not None and isinstance(labels, torch.Tensor) and labels.dim() == 2 and tuple(labels.shape) == (b, s):
+        labels = labels.to(valid.device)
+        if head.labels == "shifted":
+            label_checks.append(((labels[:, 1:] == IGNORE_INDEX) | valid[:, :-1]).all())
+        else:
+            label_checks.append(((labels == IGNORE_INDEX) | valid).all())
+    return checks, label_checks
+
+
+_READS = {"first": " (position 0)", "last_non_pad": " (the last token that is not pad_token_id)"}
+
+
+def _window(config) -> int | None:
+    w = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if w is None or (types is not None and not any("sliding" in t for t in types)):
+        return None
+    return int(w)
+
+
+@torch.compiler.disable
+def _plan(state, call, ctx):
+    """The packed call, or None for the padded one. Runs eagerly (a graph break
+    under torch.compile): the one host read of the mask's lengths is here."""
+    if any(call.get(k) is not None for k in _PACKED_KWARGS) or call.get("attention_mask") is None:
+        return None  # packed already, or no padding: runs as given
+    reason = _static_reason(state, call, ctx)
+    detail = ""
+    if reason is None:
+        mask = call["attention_mask"]
+        b, s = mask.shape
+        if b == 0 or s == 0:
+            return None
+        valid = mask != 0
+        n = valid.sum(-1)
+        start = torch.where(n > 0, torch.argmax(valid.to(torch.int8), dim=-1), torch.zeros_like(n))
+        col = torch.arange(s, device=mask.device)
+        one_run = (((col >= start[:, None]) & (col < (start + n)[:, None])) == valid).all()
+        checks, label_checks = _head_checks(state, call, ctx, valid)
+        flags = torch.stack([n.sum(), n.max(), one_run, *checks, *label_checks])
+        stats = torch.cat([flags, n]).tolist()  # the one host read: totals, checks, lengths
+        total, longest, one_run = stats[:3]
+        checks, label_checks = stats[3:3 + len(checks)], stats[3 + len(checks):len(flags)]
+        lengths = stats[len(flags):]
+        if total == b * s:
+            return None  # no padding: nothing to pack
+        if not one_run:
+            reason = "valid tokens are not one run per row"
+        elif total == 0:
+            return None
+        elif not all(checks):
+            reason = "head reads a padded position"
+            detail = _READS[(ctx["head"] if ctx is not None else _FIRST).reads]
+        elif not all(label_checks):
+            reason = "labels at padded positions"
+        else:
+            w = _window(state.base.config)
+            if w is not None and longest > w:
+                reason = "sliding window shorter than a sequence"
+    if reason is not None:
+        _warn(reason, state.top, detail)
+        return None
+    plan = _pack(state, call, valid, n, start, total, longest)
+    if valid.device.type in _KNOWN_OFFSETS_DEVICES:
+        # The lengths came with the mask's read: the runtime plans every layer from
+        # their host offsets and reads nothing back (eager; compiled, where the graph
+        # hands the op the same tensor).
+        from .runtime import get_runtime
+
+        host = F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+        get_runtime(valid.device).know_offsets(plan["call"]["cu_seq_lens_q"], host)
+    return plan
+
+
+def _pack(state, call, valid, n, start, total, longest):
+    b, s = valid.shape
+    dev = valid.device
+    rows = torch.repeat_interleave(torch.arange(b, device=dev), n, output_size=total)
+    with torch.inference_mode(False):
+        # Offsets that keep a version (not inference tensors): the runtime may keep
+        # their host copy and hf.py need not copy them per forward.
+        cu = F.pad(torch.cumsum(n, 0), (1, 0))
+        cu32 = cu.to(torch.int32)
+    offs = torch.arange(total, device=dev) - cu[rows]  # position within its sequence
+    col = start[rows] + offs                            # column in the padded row
+    flat = rows * s + col
+    new = dict(call)
+    new["attention_mask"] = None
+    if state.family.mask_mapping:
+        new["attention_mask"] = {t: None for t in set(state.base.config.layer_types)}
+    ids, embeds = call.get("input_ids"), call.get("inputs_embeds")
+    if ids is not None:
+        new["input_ids"] = ids.reshape(b * s)[flat][None]
+    if embeds is not None:
+        new["inputs_embeds"] = embeds.reshape(b * s, *embeds.shape[2:])[flat][None]
+    tt = call.get("token_type_ids")
+    if tt is not None:
+        new["token_type_ids"] = tt.expand(b, s).reshape(b * s)[flat][None]
+    pos = call.get("position_ids")
+    if pos is not None:
+        pos = pos.expand(b, s).reshape(b * s)[flat]
+    elif state.family.positions == "padding_idx":
+        emb = state.base.embeddings
+        pad = emb.padding_idx
+        if ids is not None:
+            pos = emb.create_position_ids_from_input_ids(ids, pad).reshape(b * s)[flat]
+        else:
+            pos = col + pad + 1
+    else:
+        pos = col
+    new["position_ids"] = pos[None]
+    if state.family.causal:
+        new["use_cache"] = False
+    new.update(cu_seq_lens_q=cu32, cu_seq_lens_k=cu32, max_length_q=longest, max_length_k=longest)
+    for k in ("input_ids", "inputs_embeds", "token_type_ids", "position_ids"):
+        if new.get(k) is not None:
+            torch._dynamo.maybe_mark_dynamic(new[k], 1)
+    torch._dynamo.maybe_mark_dynamic(flat, 0)
+    return {"call": new, "flat": flat, "valid": valid}
+
+
+def _scatter(state, out, plan):
+    valid, flat = plan["valid"], plan["flat"]
+    b, s = valid.shape
+
+    def back(x):
+        if x is None:
+            return None
+        full = x.new_zeros((b * s,) + x.shape[2:])
+        return full.index_copy(0, flat, x[0]).view((b, s) + x.shape[2:])
+
+    fields = {}
+    for k, v in out.items():
+        if k == "last_hidden_state":
+            fields[k] = back(v)
+        elif k == "hidden_states":
+            fields[k] = tuple(back(h) for h in v)
+        elif k == "pooler_output":
+            pass  # recomputed on the padded output below
+        elif k in ("cache", "past_key_values"):
+            fields[k] = None
+        else:
+            raise RuntimeError(f"ragged_compile.hf.unpad: {type(state.base).__name__} returned {k!r}, which unpad "
+                               f"does not know how to scatter; please report")
+    if "pooler_output" in out:
+        fields["pooler_output"] = state.base.pooler(fields["last_hidden_state"])
+    return type(out)(**fields)

@@ -1,0 +1,880 @@
+"""ragged_compile.hf.unpad: padded calls as one packed row. Every family against the
+same weights run padded on "sdpa" (fp32, every output at valid positions, zeros at
+padded ones), the packed path seen at our op (T tokens, not B * S), and every
+fallback reason with its WARNING and the padded call's values."""
+
+import logging
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+transformers = pytest.importorskip("transformers")
+
+from ragged_compile import hf, hf_unpad, logs  # noqa: E402
+
+NAME = hf.register()
+OURS = (torch.ops.ragged_compile.ragged_attention.default, torch.ops.ragged_compile.ragged_attention_lse.default)
+TOL = 1e-5
+
+
+class Tokens(TorchDispatchMode):
+    """Query rows of each call of our op (packed: T; padded: B * S)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in OURS:
+            self.rows.append(args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    logs._seen.clear()
+
+
+def pad_mask(lengths, s, left=False):
+    m = torch.zeros(len(lengths), s, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        if left:
+            m[i, s - n:] = 1
+        else:
+            m[i, :n] = 1
+    return m
+
+
+# -- models -----------------------------------------------------------------------------
+
+V = 64
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+ENC = dict(vocab_size=V, max_position_embeddings=64, **SMALL)
+
+
+def _config(family, **extra):
+    from transformers import (BertConfig, DistilBertConfig, ElectraConfig, LlamaConfig, MistralConfig,
+                              ModernBertConfig, Qwen2Config, Qwen3Config, RobertaConfig, XLMRobertaConfig)
+
+    zero = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    dec = dict(vocab_size=V, max_position_embeddings=128, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+               eos_token_id=V - 1, **SMALL)
+    kw = {
+        "bert": lambda: BertConfig(**ENC, **zero),
+        "roberta": lambda: RobertaConfig(**ENC, **zero, pad_token_id=1),
+        "xlm-roberta": lambda: XLMRobertaConfig(**ENC, **zero, pad_token_id=1),
+        "electra": lambda: ElectraConfig(**ENC, **zero, embedding_size=16),
+        "distilbert": lambda: DistilBertConfig(vocab_size=V, max_position_embeddings=64, dim=32, n_layers=2,
+                                               n_heads=4, hidden_dim=64, dropout=0.0, attention_dropout=0.0),
+        "modernbert": lambda: ModernBertConfig(**ENC, pad_token_id=0, local_attention=16, global_attn_every_n_layers=2),
+        "llama": lambda: LlamaConfig(**dec),
+        "qwen2": lambda: Qwen2Config(**dec),
+        "qwen3": lambda: Qwen3Config(**dec, head_dim=8),
+        "mistral": lambda: MistralConfig(**dec, sliding_window=6),
+    }[family]()
+    for k, v in extra.items():
+        setattr(kw, k, v)
+    return kw
+
+
+PREFIX = {f: fam.prefix for f, fam in hf_unpad.FAMILIES.items()}
+
+
+def build(family, suffix="Model", seed=0, **extra):
+    cfg = _config(family, **extra)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return getattr(transformers, PREFIX[family] + suffix)(cfg).eval()
+
+
+def inputs(family, lengths, s, left=False, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    mask = pad_mask(lengths, s, left)
+    pad = {"roberta": 1, "xlm-roberta": 1}.get(family, 0)
+    ids = torch.randint(2, V - 1, (len(lengths), s), generator=g)
+    ids = torch.where(mask.bool(), ids, torch.full_like(ids, pad))  # as a tokenizer pads
+    kw = dict(input_ids=ids, attention_mask=mask)
+    if family in ("bert", "electra"):
+        kw["token_type_ids"] = (torch.rand(ids.shape, generator=g) > 0.5).long() * mask
+    return kw
+
+
+def run_both(model, fn, unpadded=True):
+    """(padded "sdpa" result, unpadded result, our op's query rows per call)."""
+    ref = fn(model)
+    hf_unpad.unpad(model)
+    with Tokens() as t:
+        out = fn(model)
+    hf_unpad.unpad(model, enabled=False)
+    return ref, out, t.rows
+
+
+DIFFS = {}
+
+
+def compare(ref, out, valid, key=None):
+    """Every tensor field: equal at valid positions, zeros at padded ones ([B, S, ...]);
+    equal everywhere otherwise. Returns the max difference."""
+    b, s = valid.shape
+    worst = 0.0
+    for k in ref.keys():
+        if k in ("cache", "past_key_values"):
+            continue  # the packed call returns none (see test_decoder_base_model_default_cache_flag)
+        r, o = ref[k], out[k]
+        for i, (a, c) in enumerate(zip(r, o) if isinstance(r, tuple) else [(r, o)]):
+            if not isinstance(a, torch.Tensor):
+                continue
+            if a.dim() >= 2 and a.shape[:2] == (b, s):
+                torch.testing.assert_close(c[valid], a[valid], atol=TOL, rtol=TOL, msg=lambda m: f"{k}[{i}]: {m}")
+                assert not c[~valid].any(), f"{k}[{i}] not zero at padded positions"
+                worst = max(worst, (c[valid] - a[valid]).abs().max().item())
+            else:
+                torch.testing.assert_close(c, a, atol=TOL, rtol=TOL, msg=lambda m: f"{k}[{i}]: {m}")
+                worst = max(worst, (c - a).abs().max().item())
+    if key is not None:
+        DIFFS[key] = max(DIFFS.get(key, 0.0), worst)
+    return worst
+
+
+def packed(rows, valid, layers=2):
+    return rows == [int(valid.sum())] * layers
+
+
+# -- families -------------------------------------------------------------------------------
+
+ENCODERS = ["bert", "roberta", "xlm-roberta", "electra", "distilbert"]
+DECODERS = ["llama", "qwen2", "qwen3"]
+
+
+@pytest.mark.parametrize("family", ENCODERS)
+@pytest.mark.parametrize("left", [False, True])
+def test_encoder_base_model(family, left):
+    # A pooler reads position 0, a padded position under left padding: without it both paddings pack.
+    extra = {"add_pooling_layer": False} if left and family in ("bert", "roberta", "xlm-roberta") else {}
+    cfg = _config(family)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = getattr(transformers, PREFIX[family] + "Model")(cfg, **extra).eval()
+    kw = inputs(family, [7, 3, 12, 1], 12, left)
+    fn = lambda m: m(**kw, output_hidden_states=True)  # noqa: E731
+    ref, out, rows = run_both(model, fn)
+    valid = kw["attention_mask"].bool()
+    assert packed(rows, valid)
+    compare(ref, out, valid, (family, "Model", "left" if left else "right"))
+    if not left and "pooler_output" in ref:
+        assert out.pooler_output is not None
+
+
+@pytest.mark.parametrize("family", DECODERS)
+@pytest.mark.parametrize("left", [False, True])
+def test_decoder_scoring_and_last_token(family, left):
+    model = build(family, "ForCausalLM")
+    kw = inputs(family, [9, 4, 1, 6], 9, left)
+    fn = lambda m: m(**kw, use_cache=False, output_hidden_states=True)  # noqa: E731
+    ref, out, rows = run_both(model, fn)
+    valid = kw["attention_mask"].bool()
+    assert packed(rows, valid)
+    compare(ref, out, valid, (family, "ForCausalLM", "left" if left else "right"))
+    # last-token pooling (an embedding model's): the last valid token of every row
+    last = valid.shape[1] - 1 - valid.flip(1).int().argmax(1)
+    r, o = ref.hidden_states[-1], out.hidden_states[-1]
+    i = torch.arange(len(last))
+    torch.testing.assert_close(o[i, last], r[i, last], atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_decoder_base_model_default_cache_flag(family):
+    """use_cache left to the config (True): packed, and no cache is returned."""
+    model = build(family, "Model")
+    kw = inputs(family, [5, 8, 2], 8, left=True)
+    ref, out, rows = run_both(model, lambda m: m(**kw))
+    assert packed(rows, kw["attention_mask"].bool())
+    assert ref.cache is not None and out.cache is None
+    compare(ref, out, kw["attention_mask"].bool(), (family, "Model", "left"))
+
+
+# -- heads ------------------------------------------------------------------------------------
+
+HEADS = [(f, suffix) for f, fam in hf_unpad.FAMILIES.items() if f not in ("mistral", "modernbert") for suffix in fam.heads]
+
+
+def _labels(family, suffix, kw, g):
+    b, s = kw["attention_mask"].shape
+    valid = kw["attention_mask"].bool()
+    head = hf_unpad.FAMILIES[family].heads[suffix]
+    out = {}
+    if suffix == "ForPreTraining" and family == "electra":
+        out["labels"] = (torch.rand(b, s, generator=g) > 0.5).long()  # the loss masks with attention_mask
+    elif head.labels == "shifted":
+        out["labels"] = kw["input_ids"].masked_fill(~valid, -100)
+    elif head.labels == "tokens":
+        out["labels"] = torch.randint(0, 2, (b, s), generator=g).masked_fill(~valid, -100)
+    else:
+        out["labels"] = torch.randint(0, 2, (b,), generator=g)
+    if suffix == "ForPreTraining" and family == "bert":
+        out["next_sentence_label"] = torch.randint(0, 2, (b,), generator=g)
+    return out
+
+
+@pytest.mark.parametrize("family,suffix", HEADS)
+@pytest.mark.parametrize("left", [False, True])
+def test_heads_with_labels(family, suffix, left):
+    head = hf_unpad.FAMILIES[family].heads[suffix]
+    model = build(family, suffix)
+    kw = inputs(family, [6, 2, 8], 8, left)
+    kw.update(_labels(family, suffix, kw, torch.Generator().manual_seed(3)))
+    valid = kw["attention_mask"].bool()
+    fn = lambda m: m(**kw, output_hidden_states=True)  # noqa: E731
+    ref, out, rows = run_both(model, fn)
+    # Left padding: [CLS] heads read position 0, and a causal loss scores the last padded
+    # position's logits against the first token: both run padded.
+    expect_packed = not left or (head.reads != "first" and head.labels != "shifted")
+    assert packed(rows, valid) == expect_packed, rows
+    if expect_packed:
+        compare(ref, out, valid, (family, suffix, "left" if left else "right"))
+        assert ref.loss is not None
+    else:
+        compare(ref, out, torch.ones_like(valid))  # the padded call itself, padded positions included
+
+
+# -- fallbacks: the padded call itself, logged once ----------------------------------------------
+
+
+def fallback(model, fn, reason, caplog, impl=NAME):
+    """unpad(model) runs fn as the padded call (same values as without unpad, on `impl`),
+    and says `reason` once at WARNING."""
+    model.set_attn_implementation(impl)
+    torch.manual_seed(0)
+    ref = fn(model)
+    hf_unpad.unpad(model)
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"), Tokens() as t:
+        torch.manual_seed(0)
+        out = fn(model)
+        fn(model)
+    hf_unpad.unpad(model, enabled=False)
+    ours = [r for r in caplog.records if r.name == "ragged_compile" and "unpad" in r.getMessage()]
+    assert len(ours) == 1 and reason in ours[0].getMessage() and ours[0].levelno == logging.WARNING, \
+        [r.getMessage() for r in ours]
+    assert reason in hf_unpad.FALLBACKS
+    for k in ref.keys():
+        if isinstance(ref[k], torch.Tensor):
+            torch.testing.assert_close(out[k], ref[k], atol=0, rtol=0)
+    return t.rows[: len(t.rows) // 2]  # the first call's
+
+
+def test_unknown_class_left_untouched(caplog):
+    from transformers import BertForQuestionAnswering
+
+    model = BertForQuestionAnswering(_config("bert")).eval()
+    kw = inputs("bert", [5, 3], 6)
+    ref = model(**kw)
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"):
+        assert hf_unpad.unpad(model) is model
+    assert "unknown model class" in caplog.text and "BertForQuestionAnswering" in caplog.text
+    assert model.config._attn_implementation == "sdpa" and "forward" not in model.__dict__
+    out = model(**kw)
+    torch.testing.assert_close(out.start_logits, ref.start_logits, atol=0, rtol=0)
+    assert hf_unpad.unpad(model, enabled=False) is model
+
+
+def test_fallback_attention_not_ours(caplog):
+    model = build("bert", "Model")
+    kw = inputs("bert", [5, 3], 6)
+    ref = model(**kw)
+    hf_unpad.unpad(model)
+    model.set_attn_implementation("sdpa")  # after unpad: cu_seq_lens would mean nothing to sdpa
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"), Tokens() as t:
+        out = model(**kw)
+    assert t.rows == [] and "attention implementation is not ours" in caplog.text
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, atol=0, rtol=0)
+
+
+def test_fallback_use_cache(caplog):
+    model = build("llama", "ForCausalLM")
+    kw = inputs("llama", [5, 3], 6, left=True)
+    rows = fallback(model, lambda m: m(**kw, use_cache=True), "use_cache / past_key_values", caplog)
+    assert rows == [12, 12]
+
+
+def test_generate_runs_padded(caplog):
+    model = build("qwen2", "ForCausalLM")
+    kw = inputs("qwen2", [6, 3, 5], 6, left=True)
+    model.set_attn_implementation(NAME)
+    gen = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    ref = model.generate(**kw, **gen)
+    hf_unpad.unpad(model)
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"):
+        out = model.generate(**kw, **gen)
+    assert torch.equal(ref, out) and "use_cache / past_key_values" in caplog.text
+
+
+def test_fallback_output_attentions(caplog):
+    model = build("bert", "Model")
+    kw = inputs("bert", [5, 3], 6)
+    fallback(model, lambda m: m(**kw, output_attentions=True), "output_attentions", caplog)
+
+
+def test_fallback_dropout_in_training(caplog):
+    """BERT's default attention dropout (0.1) in training: our attention runs stock SDPA
+    per layer for it (hf.py's "dropout in training"), so unpad keeps the padded call."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(**ENC)
+    assert cfg.attention_probs_dropout_prob == 0.1
+    torch.manual_seed(0)
+    model = BertForMaskedLM(cfg).train()
+    kw = inputs("bert", [5, 3, 6], 6)
+    kw["labels"] = kw["input_ids"].masked_fill(~kw["attention_mask"].bool(), -100)
+    rows = fallback(model, lambda m: m(**kw), "attention dropout in training", caplog)
+    assert rows == []  # stock SDPA in every layer (dropout), as without unpad
+    # eval: the same model packs
+    model.eval()
+    with Tokens() as t:
+        hf_unpad.unpad(model)(**kw)
+    assert t.rows == [14, 14]
+
+
+def test_fallback_decoder_config(caplog):
+    model = build("bert", "Model", is_decoder=True)
+    kw = inputs("bert", [5, 3], 6)
+    fallback(model, lambda m: m(**kw, use_cache=False), "decoder / cross-attention config", caplog)
+
+
+def test_fallback_4d_mask(caplog):
+    model = build("bert", "Model")
+    kw = inputs("bert", [5, 3], 6)
+    kw["attention_mask"] = kw["attention_mask"].bool()[:, None, None, :].expand(2, 1, 6, 6)
+    fallback(model, lambda m: m(**kw), "attention_mask is not a 2-D padding mask", caplog)
+
+
+def test_fallback_mask_with_holes(caplog):
+    model = build("bert", "Model")
+    kw = inputs("bert", [6, 3], 6)
+    kw["attention_mask"][0, 2] = 0
+    rows = fallback(model, lambda m: m(**kw), "valid tokens are not one run per row", caplog)
+    assert rows == []  # hf.py's own check: stock SDPA for a mask that is not padding
+
+
+def test_fallback_pooler_on_left_padding(caplog):
+    model = build("bert", "Model")
+    kw = inputs("bert", [5, 3], 6, left=True)
+    fallback(model, lambda m: m(**kw), "head reads a padded position", caplog)
+
+
+def test_fallback_decoder_classifier_reads_padding(caplog):
+    model = build("llama", "ForSequenceClassification")
+    kw = inputs("llama", [5, 3], 6)
+    kw["input_ids"] = kw["input_ids"].masked_fill(~kw["attention_mask"].bool(), 7)  # pads that are not pad_token_id
+    fallback(model, lambda m: m(**kw), "head reads a padded position", caplog)
+
+
+@pytest.mark.parametrize("family,suffix", [("bert", "ForMaskedLM"), ("llama", "ForCausalLM")])
+def test_fallback_labels_at_padded_positions(family, suffix, caplog):
+    model = build(family, suffix)
+    kw = inputs(family, [5, 3], 6)
+    kw["labels"] = kw["input_ids"].clone()  # not -100 at the padding
+    fallback(model, lambda m: m(**kw), "labels at padded positions", caplog)
+
+
+def test_fallback_sliding_window_mistral(caplog):
+    model = build("mistral", "ForCausalLM")  # window 6
+    kw = inputs("mistral", [8, 3], 8)
+    fallback(model, lambda m: m(**kw, use_cache=False), "sliding window shorter than a sequence", caplog)
+
+
+def test_mistral_window_spanning_every_sequence_packs():
+    model = build("mistral", "ForCausalLM")
+    kw = inputs("mistral", [6, 3, 5], 8)
+    ref, out, rows = run_both(model, lambda m: m(**kw, use_cache=False))
+    valid = kw["attention_mask"].bool()
+    assert packed(rows, valid)
+    compare(ref, out, valid, ("mistral", "ForCausalLM", "right"))
+
+
+def test_packed_call_runs_as_given(caplog):
+    """Already packed (cu_seq_lens_q/k, as DataCollatorWithFlattening gives): nothing to unpad."""
+    model = build("llama", "Model")
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    kw = dict(input_ids=torch.randint(2, 60, (1, 8)), attention_mask=torch.ones(1, 8, dtype=torch.long),
+              position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]]), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+              max_length_q=5, max_length_k=5, use_cache=False)
+    model.set_attn_implementation(NAME)
+    ref = model(**kw)
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"), Tokens() as t:
+        out = hf_unpad.unpad(model)(**kw)
+    assert t.rows == [8, 8] and "unpad" not in caplog.text
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, atol=0, rtol=0)
+
+
+def test_fallback_unknown_per_token_input(caplog):
+    model = build("bert", "Model")
+    kw = inputs("bert", [5, 3], 6)
+    fallback(model, lambda m: m(**kw, per_token_extra=torch.zeros(2, 6)), "per-token input unpad does not know", caplog)
+
+
+# -- API, autograd, compile -------------------------------------------------------------------
+
+
+def test_idempotent_undo_and_attn_implementation():
+    model = build("bert", "ForMaskedLM")
+    base_forward = type(model.bert).forward
+    assert model.config._attn_implementation == "sdpa"
+    assert hf.unpad is hf_unpad.unpad and "unpad" in hf.__all__
+    assert hf_unpad.unpad(model) is model and hf_unpad.unpad(model) is model
+    assert hf_unpad.is_unpadded(model) and model.config._attn_implementation == NAME
+    patched = model.forward
+    hf_unpad.unpad(model)
+    assert model.forward is patched  # not wrapped twice
+    hf_unpad.unpad(model, enabled=False)
+    assert not hf_unpad.is_unpadded(model) and model.config._attn_implementation == "sdpa"
+    assert "forward" not in model.__dict__ and "forward" not in model.bert.__dict__
+    assert model.bert.forward.__func__ is base_forward
+    hf_unpad.unpad(model, enabled=False)  # undoing twice: nothing
+    # A model already on our attention keeps it when undone.
+    model.set_attn_implementation(NAME)
+    hf_unpad.unpad(hf_unpad.unpad(model), enabled=False)
+    assert model.config._attn_implementation == NAME
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        hf_unpad.unpad(torch.nn.Linear(2, 2))
+
+
+def test_no_padding_skips_packing(caplog):
+    model = build("bert", "Model")
+    kw = inputs("bert", [6, 6], 6)
+    ref, out, rows = run_both(model, lambda m: m(**kw))
+    with caplog.at_level(logging.WARNING, logger="ragged_compile"):
+        hf_unpad.unpad(model)(**kw)
+    assert rows == [12, 12] and "unpad" not in caplog.text  # the plain [B, S] call, said nothing
+    compare(ref, out, kw["attention_mask"].bool())
+    out = model(input_ids=kw["input_ids"])  # no mask at all
+    assert out.last_hidden_state.shape == (2, 6, 32)
+
+
+def test_signature_positional_tuple_and_inputs():
+    import inspect
+
+    model = build("bert", "ForTokenClassification")
+    kw = inputs("bert", [5, 2, 6], 6)
+    ref = model(**kw)
+    hf_unpad.unpad(model)
+    assert list(inspect.signature(model.forward).parameters)[:2] == ["input_ids", "attention_mask"]
+    valid = kw["attention_mask"].bool()
+    out = model(kw["input_ids"], kw["attention_mask"], kw["token_type_ids"], return_dict=False)
+    assert isinstance(out, tuple)
+    torch.testing.assert_close(out[0][valid], ref.logits[valid], atol=TOL, rtol=TOL)
+    # position_ids and token_type_ids broadcast over the batch ([1, S])
+    pos = torch.arange(6)[None]
+    tt = torch.zeros(1, 6, dtype=torch.long)
+    model.set_attn_implementation("sdpa")
+    hf_unpad.unpad(model, enabled=False)
+    ref = model(input_ids=kw["input_ids"], attention_mask=kw["attention_mask"], position_ids=pos + 3, token_type_ids=tt)
+    hf_unpad.unpad(model)
+    with Tokens() as t:
+        out = model(input_ids=kw["input_ids"], attention_mask=kw["attention_mask"], position_ids=pos + 3,
+                    token_type_ids=tt)
+    assert packed(t.rows, valid)
+    torch.testing.assert_close(out.logits[valid], ref.logits[valid], atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("family", ["roberta", "llama"])
+def test_inputs_embeds_and_their_gradient(family):
+    model = build(family, "Model" if family == "llama" else "ForMaskedLM")
+    kw = inputs(family, [5, 2, 6], 6, left=family == "llama")
+    valid = kw["attention_mask"].bool()
+    emb = model.get_input_embeddings()(kw.pop("input_ids")).detach()
+
+    def run(m):
+        x = emb.clone().requires_grad_()
+        out = m(inputs_embeds=x, **kw)
+        y = out[0]
+        (y * valid[..., None]).square().sum().backward()
+        return y.detach(), x.grad
+
+    (ref, gref), (out, gout), rows = run_both(model, run)
+    assert packed(rows, valid)
+    torch.testing.assert_close(out[valid], ref[valid], atol=TOL, rtol=TOL)
+    torch.testing.assert_close(gout, gref, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("family,suffix", [("bert", "ForMaskedLM"), ("xlm-roberta", "ForSequenceClassification"),
+                                           ("distilbert", "ForTokenClassification"), ("qwen3", "ForCausalLM")])
+def test_training_gradients(family, suffix):
+    """train() with the dropouts at 0: loss and every parameter's gradient as padded."""
+    model = build(family, suffix).train()
+    kw = inputs(family, [7, 3, 8, 1], 8)
+    kw.update(_labels(family, suffix, kw, torch.Generator().manual_seed(5)))
+
+    def run(m):
+        m.zero_grad()
+        out = m(**kw)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    (lref, gref), (lout, gout), rows = run_both(model, run)
+    assert packed(rows, kw["attention_mask"].bool())
+    torch.testing.assert_close(lout, lref, atol=TOL, rtol=TOL)
+    assert gout.keys() == gref.keys()
+    worst = max((gout[n] - gref[n]).abs().max().item() for n in gref)
+    DIFFS[(family, suffix, "grad")] = worst
+    for n in gref:
+        torch.testing.assert_close(gout[n], gref[n], atol=1e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+
+
+def test_inference_mode_and_no_grad():
+    model = build("bert", "Model")
+    kw = inputs("bert", [7, 3, 8], 8)
+    ref = model(**kw)
+    hf_unpad.unpad(model)
+    valid = kw["attention_mask"].bool()
+    for ctx in (torch.inference_mode, torch.no_grad):
+        with ctx(), Tokens() as t:
+            out = model(**kw)
+        assert packed(t.rows, valid)
+        compare(ref, out, valid)
+
+
+def _graphs():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(sum(n.op == "call_function" and (n.target in OURS or any(n.target is op.overloadpacket for op in OURS))
+                          for n in gm.graph.nodes))
+        return gm.forward
+
+    return graphs, backend
+
+
+LAYOUTS = [([6, 2, 8], 8, False), ([5, 5, 1], 9, True), ([2, 7, 4], 7, False), ([9, 1, 4], 9, True)]
+
+
+@pytest.mark.parametrize("family,suffix,compiler", [("bert", "Model", "torch"), ("llama", "ForCausalLM", "ragged")])
+def test_compiled_across_layouts_and_a_fallback(family, suffix, compiler, caplog):
+    """One graph break (the mask's read); new totals, lengths and widths compile no new
+    graph after the second call; a fallback (BertModel's pooler under left padding) runs
+    the padded call, logged."""
+    import ragged_compile
+
+    model = build(family, suffix)
+    ref_model = build(family, suffix)
+    hf_unpad.unpad(model)
+    graphs, backend = _graphs()
+    torch._dynamo.reset()
+    compiled = (torch.compile if compiler == "torch" else ragged_compile.compile)(model, backend=backend)
+    extra = dict(use_cache=False) if family in DECODERS else {}
+    layouts = [(lengths, s, left and family != "bert") for lengths, s, left in LAYOUTS]
+    counts = []
+    for i, (lengths, s, left) in enumerate(layouts):
+        kw = inputs(family, lengths, s, left, seed=i)
+        out = compiled(**kw, **extra)  # (no dispatch mode here: Dynamo would not compile under one)
+        compare(ref_model(**kw, **extra), out, kw["attention_mask"].bool())
+        counts.append(len(graphs))
+    # our op, in both layers, inside one graph: the first call's, and the dynamic one it
+    # recompiles to on the second (new widths), which serves every layout after
+    assert graphs.count(2) == 2 and counts[-1] == counts[1], (graphs, counts)
+    if family == "bert":
+        kw = inputs(family, [6, 2, 8], 8, left=True, seed=9)
+        with caplog.at_level(logging.WARNING, logger="ragged_compile"):
+            out = compiled(**kw)
+        compare(ref_model(**kw), out, torch.ones_like(kw["attention_mask"].bool()))  # the padded call itself
+        assert "head reads a padded position (position 0): BertModel runs the padded call" in caplog.text
+        assert graphs.count(2) == 3  # the padded graph, on our op too
+
+
+# -- ModernBERT: local layers are sliding-window attention, which our op does not take ----------
+
+
+@pytest.mark.parametrize("suffix", ["Model", "ForMaskedLM", "ForSequenceClassification"])
+def test_modernbert_packs_where_the_window_spans_every_sequence(suffix):
+    model = build("modernbert", suffix)  # local_attention 16: window 8 each side
+    kw = inputs("modernbert", [8, 3, 5], 8)
+    ref, out, rows = run_both(model, lambda m: m(**kw, output_hidden_states=True))
+    valid = kw["attention_mask"].bool()
+    assert packed(rows, valid)
+    compare(ref, out, valid, ("modernbert", suffix, "right"))
+
+
+def test_modernbert_falls_back_where_the_window_is_shorter(caplog):
+    model = build("modernbert", "Model")
+    kw = inputs("modernbert", [12, 3, 5], 12)
+    rows = fallback(model, lambda m: m(**kw), "sliding window shorter than a sequence", caplog)
+    assert rows == [36]  # the padded call: global layer on our op, local layer on stock SDPA (hf.py)
+
+
+def test_modernbert_mean_pooling_classifier_reads_the_mask():
+    model = build("modernbert", "ForSequenceClassification", classifier_pooling="mean")
+    kw = inputs("modernbert", [8, 3, 5], 8, left=True)
+    ref, out, rows = run_both(model, lambda m: m(**kw))
+    assert packed(rows, kw["attention_mask"].bool())
+    compare(ref, out, kw["attention_mask"].bool())
+
+
+# -- sentence-transformers --------------------------------------------------------------------
+
+WORDS = "the a cat dog sat on mat ran far away quick brown fox jumps over lazy river bank money".split()
+TEXTS = ["the cat sat on the mat", "a dog", "the quick brown fox jumps over the lazy dog far away",
+         "river bank", "money", "the dog ran far away on the river bank"]
+
+
+def _st_dir(tmp_path, family):
+    """A tiny model and a WordPiece tokenizer built offline, saved as a local directory."""
+    from transformers import BertTokenizerFast
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS) + "\n")
+    tok = BertTokenizerFast(vocab_file=str(vocab))
+    if family != "bert":
+        tok.padding_side = "left"  # a decoder embedder: last-token pooling over left padding
+    model = build(family, "Model", vocab_size=len(WORDS) + 5, pad_token_id=0)
+    out = tmp_path / family
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+@pytest.mark.parametrize("family,pooling", [("bert", "mean"), ("bert", "cls"), ("bert", "lasttoken"),
+                                            ("qwen3", "lasttoken"), ("qwen3", "mean")])
+def test_sentence_transformers_encode(tmp_path, family, pooling):
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    import ragged_compile.hf
+
+    path = _st_dir(tmp_path, family)
+
+    def load(impl):
+        t = Transformer(path, model_kwargs={"attn_implementation": impl})
+        return st.SentenceTransformer(modules=[t, Pooling(t.get_embedding_dimension(), pooling_mode=pooling)],
+                                      device="cpu")
+
+    ref = load("sdpa").encode(TEXTS, batch_size=4, convert_to_tensor=True)
+    model = load("sdpa")
+    ragged_compile.hf.unpad(model[0].auto_model)  # the one line
+    assert model[0].auto_model.config._attn_implementation == NAME
+    with Tokens() as t:
+        out = model.encode(TEXTS, batch_size=4, convert_to_tensor=True)
+    n_tokens = [len(model.tokenize([s])["input_ids"][0]) for s in TEXTS]
+    by_length = sorted(n_tokens, reverse=True)  # encode() batches by length
+    assert sorted(t.rows) == sorted([sum(by_length[:4]), sum(by_length[4:])] * 2), (t.rows, n_tokens)
+    torch.testing.assert_close(out, ref, atol=TOL, rtol=TOL)
+    DIFFS[("sentence-transformers", family, pooling)] = (out - ref).abs().max().item()
+
+
+# -- CUDA: FlashInfer through the runtime -----------------------------------------------------------
+
+
+def _cuda_model(family, suffix, **extra):
+    # head dim 64 (FlashInfer's), bf16
+    kw = dict(hidden_size=256, intermediate_size=512, **extra)
+    if family == "qwen3":
+        kw["head_dim"] = 64
+    return build(family, suffix, **kw).cuda().bfloat16()
+
+
+def _cuda_inputs(family, lengths, s, left=False):
+    return {k: v.cuda() for k, v in inputs(family, lengths, s, left).items()}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family,suffix,left", [("bert", "Model", False), ("xlm-roberta", "ForMaskedLM", True),
+                                                ("qwen3", "ForCausalLM", True), ("llama", "Model", False)])
+def test_cuda_packed_one_plan_per_forward(family, suffix, left):
+    from ragged_compile.runtime import get_runtime
+
+    model = _cuda_model(family, suffix)
+    kw = _cuda_inputs(family, [37, 5, 64, 1, 20], 64, left)
+    if family in DECODERS:
+        kw["use_cache"] = False
+    valid = kw["attention_mask"].bool()
+    rt = get_runtime(torch.device("cuda"))
+    with torch.no_grad():
+        ref = model(**kw)
+        hf_unpad.unpad(model)
+        with Tokens() as t:
+            out = model(**kw)
+        assert packed(t.rows, valid.cpu())
+        for mode in (torch.no_grad, torch.inference_mode):
+            with mode():
+                before = dict(rt.stats)
+                model(**kw)
+            # every layer on one plan; the offsets' host values came with the mask's read
+            assert rt.stats["plans"] - before.get("plans", 0) == 1
+            assert rt.stats["syncs"] - before.get("syncs", 0) == 0
+    k = "logits" if "logits" in ref else "last_hidden_state"
+    torch.testing.assert_close(out[k][valid].float(), ref[k][valid].float(), atol=5e-2, rtol=5e-2)
+    assert not out[k][~valid].any()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family,suffix", [("bert", "ForMaskedLM"), ("qwen2", "ForCausalLM")])
+def test_cuda_training_gradients(family, suffix):
+    model = _cuda_model(family, suffix).float().train()
+    kw = _cuda_inputs(family, [30, 7, 48, 2], 48)
+    kw.update({k: v.cuda() for k, v in _labels(family, suffix, {k: v.cpu() for k, v in kw.items()},
+                                                 torch.Generator().manual_seed(5)).items()})
+
+    def run(m):
+        m.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m(**kw).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    (lref, gref), (lout, gout), rows = run_both(model, run)
+    assert packed(rows, kw["attention_mask"].bool().cpu())
+    torch.testing.assert_close(lout, lref, atol=2e-2, rtol=2e-2)
+    for n in gref:
+        torch.testing.assert_close(gout[n], gref[n], atol=5e-2, rtol=5e-2, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family,suffix,left", [("bert", "Model", False), ("qwen3", "ForCausalLM", True)])
+def test_cuda_one_sync_per_forward(family, suffix, left):
+    import warnings
+
+    model = hf_unpad.unpad(_cuda_model(family, suffix))
+    kw = _cuda_inputs(family, [40, 17, 64, 9], 64, left)
+    if family in DECODERS:
+        kw["use_cache"] = False
+    with torch.no_grad():
+        for _ in range(2):
+            model(**kw)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(1)
+            try:
+                model(**kw)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 1, syncs
+
+
+@pytest.mark.cuda
+def test_cuda_attention_dropout_in_training_runs_padded(caplog):
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=V, max_position_embeddings=64, hidden_size=256, num_attention_heads=4,
+                     num_hidden_layers=2, intermediate_size=512)  # attention dropout 0.1
+    model = BertForMaskedLM(cfg).cuda().train()
+    kw = _cuda_inputs("bert", [20, 5, 32], 32)
+    kw["labels"] = kw["input_ids"].masked_fill(~kw["attention_mask"].bool(), -100)
+    rows = fallback(model, lambda m: m(**kw), "attention dropout in training", caplog)
+    assert rows == []  # hf.py runs stock SDPA with dropout in every layer, as without unpad
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_across_layouts():
+    model = _cuda_model("qwen2", "ForCausalLM")
+    ref_model = _cuda_model("qwen2", "ForCausalLM")
+    hf_unpad.unpad(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        for i, (lengths, s, left) in enumerate([([30, 7, 48], 48, True), ([12, 40, 3], 40, True),
+                                                ([64, 1, 9], 64, False)]):
+            kw = _cuda_inputs("qwen2", lengths, s, left)
+            out = compiled(**kw, use_cache=False).logits
+            ref = ref_model(**kw, use_cache=False).logits
+            valid = kw["attention_mask"].bool()
+            torch.testing.assert_close(out[valid].float(), ref[valid].float(), atol=5e-2, rtol=5e-2)
+
+
+class HostReads(TorchDispatchMode):
+    """Scalar reads (item / bool / equal) outside our op, as tests/test_host_reads.py."""
+
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
+             torch.ops.aten.is_nonzero.default, torch.ops.aten.item.default}
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family,suffix,left,others", [("bert", "Model", False, 0), ("roberta", "ForMaskedLM", True, 0),
+                                                       ("qwen3", "ForCausalLM", True, 0), ("llama", "ForCausalLM", True, 1)])
+def test_one_host_read_per_forward_and_the_runtime_told_the_offsets(family, suffix, left, others, monkeypatch):
+    """The mask's lengths, checks and totals come back in one read (a tolist, which no
+    dispatch mode sees: no scalar read is left); on CUDA the runtime is told the
+    offsets' host values from it (Runtime.know_offsets), so it reads nothing back:
+    that code path here on CPU, whose op plans nothing. Llama (and Mistral) build
+    their causal mask themselves, and transformers then reads the position ids once
+    (find_packed_sequence_indices); Qwen2/3 take a mask per layer type, so none."""
+    from ragged_compile.runtime import Runtime
+
+    told = []
+    real = Runtime.know_offsets
+
+    def spy(self, cu, host):
+        told.append((cu.clone(), host.clone()))
+        return real(self, cu, host)
+
+    monkeypatch.setattr(hf_unpad, "_KNOWN_OFFSETS_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(Runtime, "know_offsets", spy)
+    model = hf_unpad.unpad(build(family, suffix))
+    kw = inputs(family, [7, 3, 8, 1], 8, left)
+    with torch.no_grad():
+        model(**kw, **({"use_cache": False} if family in DECODERS else {}))  # warm
+        told.clear()
+        with HostReads() as reads, Tokens() as t:
+            model(**kw, **({"use_cache": False} if family in DECODERS else {}))
+    assert packed(t.rows, kw["attention_mask"].bool())
+    assert reads.n == others, f"{reads.n} scalar host reads besides the mask's"
+    assert len(told) == 1 and torch.equal(told[0][0], told[0][1])
+    assert told[0][1].tolist() == [0, 7, 10, 18, 19]
+
+
+# -- layouts -------------------------------------------------------------------------------------
+
+
+def test_packed_total_beyond_max_positions_mixed_sides_and_empty_rows():
+    """T = 300 tokens > max_position_embeddings (64); rows padded on either side or both
+    ([pad | tokens | pad]); an empty row (no valid position: zeros)."""
+    model = build("bert", "ForMaskedLM")
+    s, b = 60, 8
+    g = torch.Generator().manual_seed(0)
+    mask = torch.zeros(b, s, dtype=torch.long)
+    spans = [(0, 60), (0, 45), (15, 60), (10, 50), (0, 0), (59, 60), (0, 55), (20, 44)]
+    for i, (a, e) in enumerate(spans):
+        mask[i, a:e] = 1
+    ids = torch.randint(5, V, (b, s), generator=g) * mask
+    kw = dict(input_ids=ids, attention_mask=mask)
+    ref, out, rows = run_both(model, lambda m: m(**kw, output_hidden_states=True))
+    valid = mask.bool()
+    assert int(valid.sum()) > 64 and packed(rows, valid)
+    compare(ref, out, valid, ("bert", "ForMaskedLM", "mixed"))
+
+
+def test_deepcopy_and_gradient_checkpointing():
+    import copy
+
+    model = build("llama", "ForCausalLM").train()
+    kw = inputs("llama", [7, 2, 5], 7)
+    kw["labels"] = kw["input_ids"].masked_fill(~kw["attention_mask"].bool(), -100)
+    ref = model(**kw).loss
+    hf_unpad.unpad(model)
+    twin = copy.deepcopy(model)
+    assert hf_unpad.is_unpadded(twin) and twin.model.forward.args[0].base is twin.model
+    twin.activation_checkpointing_enable()
+    with Tokens() as t:
+        loss = twin(**kw).loss
+        loss.backward()
+    assert t.rows[:2] == [14, 14]  # forward, then recomputed in backward
+    torch.testing.assert_close(loss, ref, atol=TOL, rtol=TOL)
+    hf_unpad.unpad(twin, enabled=False)
+    assert hf_unpad.is_unpadded(model) and "forward" in model.model.__dict__
+
+
+def test_logits_to_keep(caplog):
+    model = build("llama", "ForCausalLM")
+    kw = inputs("llama", [6, 2, 8], 8, left=True)
+    ref, out, rows = run_both(model, lambda m: m(**kw, use_cache=False, logits_to_keep=1))
+    assert packed(rows, kw["attention_mask"].bool()) and out.logits.shape[1] == 1
+    torch.testing.assert_close(out.logits, ref.logits, atol=TOL, rtol=TOL)  # left padding: the last column is valid
+    fallback(model, lambda m: m(**kw, use_cache=False, logits_to_keep=torch.tensor([0, 7])),
+             "head reads a padded position", caplog)

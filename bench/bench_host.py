@@ -10,12 +10,13 @@ Rows (``--only`` picks sections):
   ``F.scaled_dot_product_attention`` on the padded batch, ``varlen_attn`` where
   torch has it, FlashInfer's ``wrapper.run`` alone.
 * ``njt``: NJT SDPA under ``rc.enable()`` against stock NJT SDPA, per call.
-* ``hf``: a BERT-base encoder (12 layers, 768 hidden, 12 heads, random weights),
-  bf16, padded batches of random lengths L/2..L: ``"sdpa"`` against
-  ``hf.register()``, forward ms and device-to-host syncs per forward.
+* ``hf``: BERT-base (12 layers, 768 hidden, 12 heads) and BERT-large (24, 1024,
+  16) encoders, random weights, bf16, padded batches of random lengths L/2..L:
+  ``"sdpa"`` against ``hf.register()`` and against ``hf.unpad`` (the whole model
+  packed), forward ms and device-to-host syncs per forward.
 * ``train``: training steps (forward, backward, AdamW; attention dropout 0) of
   BERT-base 64 x 256 and BERT-large 32 x 512, ~50% padding: ``"sdpa"`` (cuDNN's
-  fused attention on Hopper) against ours, ms and syncs per step.
+  fused attention on Hopper) against ours, padded and unpadded, ms and syncs per step.
 
 ``--smoke`` runs tiny sizes on whatever device there is (CPU included), to check
 the plumbing. Writes ``host.json`` (every number, the environment) and
@@ -203,7 +204,7 @@ def _bert(dev, dtype, layers, hidden, heads, attn):
     torch.manual_seed(0)
     model = BertModel(cfg, add_pooling_layer=False).to(dev, dtype)
     model.set_attn_implementation(attn)
-    return model
+    return model.eval()
 
 
 def _padded_batch(b, s, dev, seed=0):
@@ -214,7 +215,9 @@ def _padded_batch(b, s, dev, seed=0):
     return ids.to(dev), mask.to(dev), lens
 
 
-def hf_rows(dev, dtype, shapes, layers, hidden, heads, target_s) -> list[dict]:
+def hf_rows(dev, dtype, shapes, layers, hidden, heads, target_s, label="bert-base") -> list[dict]:
+    """Forward ms per padded batch: ``"sdpa"``, ours (``register()``) and ours with
+    the whole model unpadded (``hf.unpad``), same weights."""
     from ragged_compile import hf
 
     name = hf.register()
@@ -222,9 +225,11 @@ def hf_rows(dev, dtype, shapes, layers, hidden, heads, target_s) -> list[dict]:
     models = {"sdpa": _bert(dev, dtype, layers, hidden, heads, "sdpa")}
     models["ours"] = _bert(dev, dtype, layers, hidden, heads, name)
     models["ours"].load_state_dict(models["sdpa"].state_dict())
+    models["unpad"] = hf.unpad(_bert(dev, dtype, layers, hidden, heads, name))
+    models["unpad"].load_state_dict(models["sdpa"].state_dict())
     for b, s in shapes:
         ids, mask, lens = _padded_batch(b, s, dev)
-        row = {"batch": b, "length": s, "real_tokens": int(lens.sum()), "padded_tokens": b * s}
+        row = {"model": label, "batch": b, "length": s, "real_tokens": int(lens.sum()), "padded_tokens": b * s}
         valid = mask.bool()
         outs = {}
         with torch.no_grad():
@@ -235,9 +240,11 @@ def hf_rows(dev, dtype, shapes, layers, hidden, heads, target_s) -> list[dict]:
                 with SyncCount(dev) as sc:
                     fwd()
                 row[impl] = {"ms": r["ms"], "wall_ms": r["wall_ms"], "syncs_per_forward": sc.n}
-        diff = (outs["ours"].float() - outs["sdpa"].float())[valid].abs().max().item()
-        row["max_diff_valid"] = diff
+        row["max_diff_valid"] = max(
+            (outs[i].float() - outs["sdpa"].float())[valid].abs().max().item() for i in ("ours", "unpad")
+        )
         row["ours_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["ours"]["wall_ms"]
+        row["unpad_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["unpad"]["wall_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -252,8 +259,10 @@ def train_rows(dev, dtype, configs, target_s) -> list[dict]:
         row = {"model": label, "batch": b, "length": s}
         ids, mask, lens = _padded_batch(b, s, dev, seed=1)
         row["real_tokens"] = int(lens.sum())
-        for impl in ("sdpa", name):
-            model = _bert(dev, dtype, layers, hidden, heads, impl).train()
+        for key in ("sdpa", "ours", "unpad"):
+            model = _bert(dev, dtype, layers, hidden, heads, "sdpa" if key == "sdpa" else name).train()
+            if key == "unpad":
+                hf.unpad(model)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
             def step(m=model, o=opt):
@@ -266,7 +275,6 @@ def train_rows(dev, dtype, configs, target_s) -> list[dict]:
             r = time_fn(step, dev, warmup=3, min_reps=5, target_s=target_s)
             with SyncCount(dev) as sc:
                 step()
-            key = "ours" if impl == name else impl
             row[key] = {"ms": r["ms"], "wall_ms": r["wall_ms"], "syncs_per_step": sc.n,
                         "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None}
             del model, opt
@@ -274,6 +282,7 @@ def train_rows(dev, dtype, configs, target_s) -> list[dict]:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(dev)
         row["ours_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["ours"]["wall_ms"]
+        row["unpad_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["unpad"]["wall_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -291,23 +300,26 @@ def _markdown(res: dict) -> str:
         lines.append("")
     if "hf" in res:
         lines += ["## BERT-style encoder forward, padded batches (lengths L/2..L)", "",
-                  "| batch x L | sdpa ms | ours ms | ours / sdpa speed | syncs / forward (sdpa, ours) | max diff |",
-                  "|---|---|---|---|---|---|"]
+                  "| model | batch x L | real tokens | sdpa ms | ours ms | ours unpadded ms | ours / sdpa | unpadded / sdpa | syncs / forward (sdpa, ours, unpadded) | max diff |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["hf"]:
             lines.append(
-                f"| {r['batch']} x {r['length']} | {r['sdpa']['wall_ms']:.2f} | {r['ours']['wall_ms']:.2f} | "
-                f"{r['ours_over_sdpa_speed']:.2f}x | {r['sdpa']['syncs_per_forward']}, {r['ours']['syncs_per_forward']} | "
+                f"| {r['model']} | {r['batch']} x {r['length']} | {r['real_tokens'] / r['padded_tokens']:.0%} | "
+                f"{r['sdpa']['wall_ms']:.2f} | {r['ours']['wall_ms']:.2f} | {r['unpad']['wall_ms']:.2f} | "
+                f"{r['ours_over_sdpa_speed']:.2f}x | {r['unpad_over_sdpa_speed']:.2f}x | "
+                f"{r['sdpa']['syncs_per_forward']}, {r['ours']['syncs_per_forward']}, {r['unpad']['syncs_per_forward']} | "
                 f"{r['max_diff_valid']:.1e} |"
             )
         lines.append("")
     if "train" in res:
         lines += ["## Training step (forward, backward, AdamW), padded", "",
-                  "| model | batch x L | sdpa ms | ours ms | ours / sdpa speed | syncs / step (sdpa, ours) |",
-                  "|---|---|---|---|---|---|"]
+                  "| model | batch x L | sdpa ms | ours ms | ours unpadded ms | ours / sdpa | unpadded / sdpa | syncs / step (sdpa, ours, unpadded) |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in res["train"]:
             lines.append(
                 f"| {r['model']} | {r['batch']} x {r['length']} | {r['sdpa']['wall_ms']:.1f} | {r['ours']['wall_ms']:.1f} | "
-                f"{r['ours_over_sdpa_speed']:.2f}x | {r['sdpa']['syncs_per_step']}, {r['ours']['syncs_per_step']} |"
+                f"{r['unpad']['wall_ms']:.1f} | {r['ours_over_sdpa_speed']:.2f}x | {r['unpad_over_sdpa_speed']:.2f}x | "
+                f"{r['sdpa']['syncs_per_step']}, {r['ours']['syncs_per_step']}, {r['unpad']['syncs_per_step']} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -337,7 +349,8 @@ def main() -> None:
         if a.smoke:
             res["hf"] = hf_rows(dev, dtype, [(4, 16)], 2, 64, 2, 0.05)
         else:
-            res["hf"] = hf_rows(dev, dtype, [(64, 48), (64, 128), (16, 512), (256, 128)], 12, 768, 12, a.target_s)
+            res["hf"] = hf_rows(dev, dtype, [(64, 48), (64, 128), (16, 512), (256, 128), (64, 512)], 12, 768, 12, a.target_s)
+            res["hf"] += hf_rows(dev, dtype, [(64, 512), (128, 256)], 24, 1024, 16, a.target_s, label="bert-large")
     if "train" in only:
         if a.smoke:
             res["train"] = train_rows(dev, dtype, [("tiny", 2, 64, 2, 4, 16)], 0.05)

@@ -20,6 +20,11 @@ op                                  head-sharded strategy
 ``ragged_attention_backward``       grad_out, q, k, v ``Shard(1)`` -> ``Shard(1)``
 ==================================  ==========================================
 
+The variant arguments follow the heads: ``sinks`` ``[Hq]`` is ``Shard(0)`` where the
+heads are split (``Replicate`` otherwise), and so is the backward's ``dsinks``;
+window and softcap are plain numbers. A call without sinks returns an empty
+``dsinks``, replicated.
+
 Everything replicated is always offered too. GQA stays correct shard-local only
 when every rank holds whole groups: query head ``h`` uses k/v head ``h // G``,
 so the head split is offered only when the k/v heads divide evenly over the
@@ -47,31 +52,49 @@ def _heads_split_evenly(q, k) -> bool:
     return k.shape[1] % n == 0 and q.shape[1] % n == 0
 
 
-def _attention_rule(q, k, v, cu_q, cu_k, causal, scale):
-    rules = [([_R], [_R, _R, _R, _R, _R, None, None])]
+_NUMBERS = [None, None, None, None, None, None]  # causal, scale, window_left, window_right, softcap (+ sinks)
+
+
+def _variant_specs(sinks, split: bool):
+    """Input specs of (causal, scale, window_left, window_right, softcap, sinks), and
+    the dsinks output spec."""
+    if sinks is None:
+        return _NUMBERS, _R
+    spec = _LSE if split else _R  # [Hq]: dim 0 is the heads
+    return _NUMBERS[:5] + [spec], spec
+
+
+def _attention_rule(q, k, v, cu_q, cu_k, causal, scale, window_left=-1, window_right=-1, softcap=0.0, sinks=None):
+    rules = [([_R], [_R, _R, _R, _R, _R] + _variant_specs(sinks, False)[0])]
     if _heads_split_evenly(q, k):
-        rules.append(([_H], [_H, _H, _H, _R, _R, None, None]))
+        rules.append(([_H], [_H, _H, _H, _R, _R] + _variant_specs(sinks, True)[0]))
     return rules
 
 
-def _attention_lse_rule(q, k, v, cu_q, cu_k, causal, scale):
-    rules = [([_R, _R, _R], [_R, _R, _R, _R, _R, None, None])]
+def _attention_lse_rule(q, k, v, cu_q, cu_k, causal, scale, window_left=-1, window_right=-1, softcap=0.0, sinks=None):
+    rules = [([_R, _R, _R], [_R, _R, _R, _R, _R] + _variant_specs(sinks, False)[0])]
     if _heads_split_evenly(q, k):
-        rules.append(([_H, _LSE, _R], [_H, _H, _H, _R, _R, None, None]))
+        rules.append(([_H, _LSE, _R], [_H, _H, _H, _R, _R] + _variant_specs(sinks, True)[0]))
     return rules
 
 
-def _lse_backward_rule(grad_out, q, k, v, out, lse, cu_q, cu_k, max_lens, causal, scale):
-    rules = [([_R, _R, _R], [_R, _R, _R, _R, _R, _R, _R, _R, _R, None, None])]
+def _lse_backward_rule(grad_out, q, k, v, out, lse, cu_q, cu_k, max_lens, causal, scale, window_left=-1,
+                       window_right=-1, softcap=0.0, sinks=None):
+    specs, ds = _variant_specs(sinks, False)
+    rules = [([_R, _R, _R, ds], [_R, _R, _R, _R, _R, _R, _R, _R, _R] + specs)]
     if _heads_split_evenly(q, k):
-        rules.append(([_H, _H, _H], [_H, _H, _H, _H, _H, _LSE, _R, _R, _R, None, None]))
+        specs, ds = _variant_specs(sinks, True)
+        rules.append(([_H, _H, _H, ds], [_H, _H, _H, _H, _H, _LSE, _R, _R, _R] + specs))
     return rules
 
 
-def _reference_backward_rule(grad_out, q, k, v, cu_q, cu_k, causal, scale):
-    rules = [([_R, _R, _R], [_R, _R, _R, _R, _R, _R, None, None])]
+def _reference_backward_rule(grad_out, q, k, v, cu_q, cu_k, causal, scale, window_left=-1, window_right=-1,
+                             softcap=0.0, sinks=None):
+    specs, ds = _variant_specs(sinks, False)
+    rules = [([_R, _R, _R, ds], [_R, _R, _R, _R, _R, _R] + specs)]
     if _heads_split_evenly(q, k):
-        rules.append(([_H, _H, _H], [_H, _H, _H, _H, _R, _R, None, None]))
+        specs, ds = _variant_specs(sinks, True)
+        rules.append(([_H, _H, _H, ds], [_H, _H, _H, _H, _R, _R] + specs))
     return rules
 
 

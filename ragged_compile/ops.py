@@ -5,19 +5,27 @@ kernels, device kernels and autograd.
 op                                               what it is
 ===============================================  ===================================
 ``ragged_attention(q, k, v, cu_q, cu_k,          the inference op: no LSE; its
-causal, scale) -> out``                          backward is ``ragged_attention_backward``
+causal, scale, *V) -> out``                      backward is ``ragged_attention_backward``
 ``ragged_attention_backward(grad_out, q, k, v,   exact gradients without a saved LSE:
-cu_q, cu_k, causal, scale) -> (dq, dk, dv)``     the CPU kernel's, or the reference's
+cu_q, cu_k, causal, scale, *V) -> (dq, dk, dv,   the CPU kernel's, or the reference's
+dsinks)``
 ``ragged_attention_lse(q, k, v, cu_q, cu_k,      the training forward: also the LSE (fp32
-causal, scale) -> (out, lse, max_lens)``         ``[Hq, Tq]``, natural log, ``+inf`` for
+causal, scale, *V) -> (out, lse, max_lens)``     ``[Hq, Tq]``, natural log, ``+inf`` for
                                                  rows that see no key: aten's layout) and
                                                  ``max_lens``, a CPU int64 ``[max_q, max_k]``
                                                  from the host layout, so the backward
                                                  needs no device-to-host sync
 ``ragged_attention_lse_backward(grad_out, q, k,  the fused backward: flash-attn-4 or
 v, out, lse, cu_q, cu_k, max_lens, causal,       FlashAttention-2 on CUDA, the CPU
-scale) -> (dq, dk, dv)``                         kernel's on CPU (reusing the LSE)
+scale, *V) -> (dq, dk, dv, dsinks)``             kernel's on CPU (reusing the LSE)
 ===============================================  ===================================
+
+``*V`` are the variants, last and with defaults (a call without them is plain
+attention): ``window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+sinks: Tensor? = None`` (see :func:`ragged_attention`). ``dsinks`` is ``[Hq]`` in
+the sinks' dtype, or an empty tensor for a call without sinks. With sinks the
+LSE includes them. Which kernel runs a variant is ``select.forward_kernel``'s
+answer: on CUDA the reference, for now.
 
 :func:`attention` routes a call to the pair or the inference op, and the
 kernels below ask ``backends/select.py`` which kernel runs; this module only
@@ -34,7 +42,9 @@ from .backends import cpu as cpu_kernel
 from .backends import fa4_backward, flash_backward, select
 from .reference import reference_attention, reference_attention_backward, reference_lse
 from .runtime import get_runtime
-from .validation import check_cu_seqlens_values, check_inputs, check_meta, check_values, debug_checks
+from .validation import (
+    check_cu_seqlens_values, check_inputs, check_meta, check_values, check_variants, check_variants_meta, debug_checks,
+)
 
 __all__ = ["ragged_attention", "attention"]
 
@@ -50,6 +60,9 @@ def ragged_attention(
     max_seqlen_k: int | None = None,
     causal: bool = False,
     scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""Attention over packed variable-length segments, without padding.
 
@@ -79,6 +92,17 @@ def ragged_attention(
             ``Lq != Lk`` SDPA aligns top-left, and the rewrites never hand such
             a call to this op.
         scale: softmax scale, default ``D ** -0.5``.
+        window_size: ``(left, right)``, a sliding window in the same bottom-right
+            coordinates: row ``i`` sees key ``j`` when ``i' - left <= j <= i' + right``
+            with ``i' = i + Lk - Lq``; ``-1`` is unbounded, ``causal=True`` caps
+            ``right`` at 0. transformers' ``sliding_window=W`` is ``(W - 1, 0)``
+            causal, ``(W - 1, W - 1)`` bidirectional (ModernBERT passes ``W`` =
+            half its ``local_attention`` + 1).
+        softcap: ``> 0`` soft-caps the scaled scores to ``softcap * tanh(s / softcap)``
+            before the softmax (Gemma2's ``attn_logit_softcapping``); 0 is off.
+        sinks: ``[Hq]`` per-head logits that join every row's softmax denominator
+            and add no value (gpt-oss' ``sinks``); differentiable. A row that sees
+            no key is still zero.
 
     Returns:
         ``[Tq, Hq, D]`` in q's dtype. A query row that sees no key (empty k/v
@@ -93,7 +117,10 @@ def ragged_attention(
     and a fused backward (flash-attn-4 on SM90 where installed, else PyTorch's
     FlashAttention-2); on CPU the fused CPU kernel's; elsewhere exact gradients
     from the reference kernel (on CUDA with a warning, once). Which kernel runs
-    a call is decided in ``backends/select.py``.
+    a call is decided in ``backends/select.py``. Variants: windows and sinks run
+    the fused CPU kernel, softcap the reference on CPU; on CUDA every variant
+    runs the reference kernel, forward and backward, said once at WARNING
+    (FlashInfer kernels for them are planned).
 
     Offsets are checked (``cu[0] == 0``, non-decreasing, ``cu[-1] == T``) on
     host copies: always for CPU tensors, at plan time on CUDA, and on every call
@@ -111,6 +138,11 @@ def ragged_attention(
         raise TypeError(f"causal must be a bool, got {type(causal).__module__}.{type(causal).__name__}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    left, right, softcap = check_variants(q, window_size, softcap, sinks)
+    if causal:
+        right = -1  # causal caps right at 0 itself
+    elif right == 0:
+        causal, right = True, -1  # a window with right = 0 is causal (the fast kernels' flag)
     if max_seqlen_q is not None or max_seqlen_k is not None:
         if not torch.compiler.is_compiling() and (cu_seqlens_q.device.type == "cpu" or debug_checks()):
             check_cu_seqlens_values(cu_seqlens_q, q.shape[0], "cu_seqlens_q", max_seqlen_q)
@@ -118,11 +150,14 @@ def ragged_attention(
     if not torch._C._are_functorch_transforms_active():  # a constant to Dynamo
         # Autograd and AOTAutograd differentiate the op (or the LSE pair) through
         # its registered autograd.
-        return attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale), checked=True)
+        return attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale), checked=True,
+            window_size=(left, right), softcap=softcap, sinks=sinks,
+        )
     # Under a torch.func transform (grad, vjp, jacrev, vmap), eager or traced by
     # torch.compile: the Function torch.library makes for register_autograd has no
     # setup_context, which functorch needs.
-    return _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale))
+    return _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale), left, right, softcap, sinks)
 
 
 # TorchScript cannot compile the function above (keyword-only arguments, Python
@@ -133,13 +168,16 @@ setattr(
     "ragged_compile.ragged_attention cannot be compiled by TorchScript (keyword-only "
     "arguments and Python-side argument checks). In scripted code call the op with every "
     "argument given: torch.ops.ragged_compile.ragged_attention(q, k, v, cu_seqlens_q, "
-    "cu_seqlens_k, causal, scale), with cu_seqlens_k = cu_seqlens_q for self-attention and "
+    "cu_seqlens_k, causal, scale) (then window_left, window_right, softcap, sinks), with cu_seqlens_k = cu_seqlens_q for self-attention and "
     "scale = head_dim ** -0.5 by default; or use torch.compile / ragged_compile.compile "
     "instead of torch.jit.script",
 )
 
 
-def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, *, checked: bool = False) -> torch.Tensor:
+def attention(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, *, checked: bool = False,
+    window_size=(-1, -1), softcap: float = 0.0, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The op a call runs: the LSE pair when it needs gradients and a kernel of its
     own trains it (``select.trains_with_lse``), else the inference op.
 
@@ -148,8 +186,11 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, *
     dispatch or function mode, no profiler, plain tensors) runs the same kernels
     without the dispatcher, whose custom-op and autograd layers cost more host
     time than the kernel launch on small batches. ``checked``: the caller ran
-    ``check_inputs``.
+    ``check_inputs`` (and ``check_variants``). Variant calls (``window_size``,
+    ``softcap``, ``sinks``) always go through the dispatcher.
     """
+    if sinks is not None or softcap or window_size[0] >= 0 or window_size[1] >= 0:
+        return _variant_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, checked, window_size, softcap, sinks)
     if not checked:
         q, k, v = _autocast(q, k, v)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -165,6 +206,35 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, *
     elif direct:
         return get_runtime(q.device).attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
     return torch.ops.ragged_compile.ragged_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+
+
+def _variant_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, checked, window_size, softcap, sinks):
+    if not checked:
+        q, k, v = _autocast(q, k, v)
+        check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+        window_size = check_variants(q, window_size, softcap, sinks)[:2]
+    left, right = window_size
+    variant = select.variant(causal, window_size, softcap, sinks)
+    needs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in needs)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, left, right, float(softcap), sinks)
+    if grad and select.trains_with_lse(q.device, q.dtype, q.shape[-1], variant):
+        return torch.ops.ragged_compile.ragged_attention_lse(*args)[0]
+    return torch.ops.ragged_compile.ragged_attention(*args)
+
+
+def _variants(window_left, window_right, softcap, sinks) -> dict:
+    """The reference's and the CPU kernel's keywords for an op's variant arguments."""
+    return dict(window_size=(window_left, window_right), softcap=softcap, sinks=sinks)
+
+
+def _with_dsinks(grads, q) -> tuple:
+    """(dq, dk, dv) from a kernel, plus dsinks (empty for a call without sinks)."""
+    return tuple(grads) if len(grads) == 4 else tuple(grads) + (q.new_empty(0),)
+
+
+def _dsinks_fake(q, sinks):
+    return q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
 
 
 _Tensor = torch.Tensor
@@ -212,26 +282,43 @@ def _ragged_attention(
     cu_seqlens_k: torch.Tensor,
     causal: bool,
     scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # Every device but CUDA: the fused CPU kernel or the reference (select.forward_kernel).
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
     check_values(q, k, cu_seqlens_q, cu_seqlens_k)
-    if select.forward_kernel(q.device, q.dtype, q.shape[-1]) == "cpu":
-        return cpu_kernel.cpu_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
-    return reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    variant = select.variant(causal, (window_left, window_right), softcap, sinks)
+    if select.forward_kernel(q.device, q.dtype, q.shape[-1], variant) == "cpu":
+        window = (window_left, window_right)
+        return cpu_kernel.cpu_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_size=window, sinks=sinks)
+    return reference_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, **_variants(window_left, window_right, softcap, sinks)
+    )
 
 
 @_ragged_attention.register_fake
-def _ragged_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
+def _ragged_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left=-1, window_right=-1,
+                           softcap=0.0, sinks=None):
     check_meta(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    check_variants_meta(q, window_left, window_right, softcap, sinks)
     return q.new_empty(q.shape)
 
 
 @_ragged_attention.register_kernel("cuda")
-def _ragged_attention_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
+def _ragged_attention_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left=-1, window_right=-1,
+                           softcap=0.0, sinks=None):
     # FlashInfer through the runtime: it finds the plan of this step's layout
-    # without host work (steps.py), or runs the reference and says why.
+    # without host work (steps.py), or runs the reference and says why. Variants:
+    # the reference (select.cuda_runs_reference).
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    variant = select.variant(causal, (window_left, window_right), softcap, sinks)
+    if select.cuda_runs_reference(q.device, q.dtype, q.shape[-1], variant):
+        return reference_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, **_variants(window_left, window_right, softcap, sinks)
+        )
     return get_runtime(q.device).attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
 
 
@@ -245,29 +332,44 @@ def _ragged_attention_backward(
     cu_seqlens_k: torch.Tensor,
     causal: bool,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # One opaque op so AOTAutograd traces the backward graph without reading
     # offsets: the fused CPU kernel on CPU, the reference's exact gradients elsewhere.
-    if select.forward_kernel(q.device, q.dtype, q.shape[-1]) == "cpu":
-        return cpu_kernel.cpu_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
-    return reference_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    variant = select.variant(causal, (window_left, window_right), softcap, sinks)
+    if q.device.type == "cpu" and select.forward_kernel(q.device, q.dtype, q.shape[-1], variant) == "cpu":
+        grads = cpu_kernel.cpu_attention_backward(
+            grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
+            window_size=(window_left, window_right), sinks=sinks,
+        )
+    else:
+        grads = reference_attention_backward(
+            grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
+            **_variants(window_left, window_right, softcap, sinks),
+        )
+    return _with_dsinks(grads, q)
 
 
 @_ragged_attention_backward.register_fake
-def _ragged_attention_backward_fake(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _ragged_attention_backward_fake(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left=-1,
+                                    window_right=-1, softcap=0.0, sinks=None):
+    check_variants_meta(q, window_left, window_right, softcap, sinks)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks_fake(q, sinks)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale = inputs
-    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    ctx.causal, ctx.scale = causal, scale
+    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right, softcap, sinks = inputs
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks)
+    ctx.causal, ctx.scale, ctx.variants = causal, scale, (window_left, window_right, softcap)
 
 
 def _backward(ctx, grad_out):
-    q, k, v, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = _AttentionBackward.apply(grad_out, q, k, v, cu_q, cu_k, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None, None, None
+    q, k, v, cu_q, cu_k, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = _AttentionBackward.apply(grad_out, q, k, v, cu_q, cu_k, ctx.causal, ctx.scale, *ctx.variants, sinks)
+    return dq, dk, dv, None, None, None, None, None, None, None, (None if sinks is None else dsinks)
 
 
 _ragged_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -285,29 +387,54 @@ def _ragged_attention_lse(
     cu_seqlens_k: torch.Tensor,
     causal: bool,
     scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # Every device but CUDA: the fused CPU kernel, or the reference and an exact LSE.
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
-    lens_q, lens_k = check_values(q, k, cu_seqlens_q, cu_seqlens_k)
-    max_lens = torch.tensor([int(x.max()) if x.numel() else 0 for x in (lens_q, lens_k)], dtype=torch.int64)
-    if select.forward_kernel(q.device, q.dtype, q.shape[-1]) == "cpu":
-        out, lse = cpu_kernel.cpu_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, return_lse=True)
+    variant = select.variant(causal, (window_left, window_right), softcap, sinks)
+    if select.forward_kernel(q.device, q.dtype, q.shape[-1], variant) == "cpu":
+        max_lens = _max_lens(q, k, cu_seqlens_q, cu_seqlens_k)
+        out, lse = cpu_kernel.cpu_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, return_lse=True,
+            window_size=(window_left, window_right), sinks=sinks,
+        )
         return out, lse.t().contiguous(), max_lens  # [Tq, Hq] -> the backward's [Hq, Tq]
-    out = reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
-    return out, reference_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal, scale), max_lens
+    return _reference_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right, softcap, sinks)
+
+
+def _max_lens(q, k, cu_seqlens_q, cu_seqlens_k) -> torch.Tensor:
+    lens_q, lens_k = check_values(q, k, cu_seqlens_q, cu_seqlens_k)
+    return torch.tensor([int(x.max()) if x.numel() else 0 for x in (lens_q, lens_k)], dtype=torch.int64)
+
+
+def _reference_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right, softcap, sinks):
+    max_lens = _max_lens(q, k, cu_seqlens_q, cu_seqlens_k)
+    kw = _variants(window_left, window_right, softcap, sinks)
+    out = reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, **kw)
+    return out, reference_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal, scale, **kw), max_lens
 
 
 @_ragged_attention_lse.register_fake
-def _ragged_attention_lse_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
+def _ragged_attention_lse_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left=-1, window_right=-1,
+                               softcap=0.0, sinks=None):
     check_meta(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    check_variants_meta(q, window_left, window_right, softcap, sinks)
     out = q.new_empty(q.shape)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     return out, lse, torch.empty(2, dtype=torch.int64, device="cpu")
 
 
 @_ragged_attention_lse.register_kernel("cuda")
-def _ragged_attention_lse_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
+def _ragged_attention_lse_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left=-1, window_right=-1,
+                               softcap=0.0, sinks=None):
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    variant = select.variant(causal, (window_left, window_right), softcap, sinks)
+    if select.cuda_runs_reference(q.device, q.dtype, q.shape[-1], variant):
+        return _reference_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right,
+                                   softcap, sinks)
     out, lse, max_lens = get_runtime(q.device).attention_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
     return out, lse, torch.tensor(max_lens, dtype=torch.int64)
 
@@ -325,31 +452,53 @@ def _ragged_attention_lse_backward(
     max_lens: torch.Tensor,
     causal: bool,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if select.forward_kernel(q.device, q.dtype, q.shape[-1]) == "cpu":
-        return cpu_kernel.cpu_attention_backward(
-            grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, out=out, lse=lse.t()
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    variant = select.variant(causal, (window_left, window_right), softcap, sinks)
+    if select.forward_kernel(q.device, q.dtype, q.shape[-1], variant) == "cpu":
+        grads = cpu_kernel.cpu_attention_backward(
+            grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, out=out, lse=lse.t(),
+            window_size=(window_left, window_right), sinks=sinks,
         )
-    return reference_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    else:
+        grads = reference_attention_backward(
+            grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
+            **_variants(window_left, window_right, softcap, sinks),
+        )
+    return _with_dsinks(grads, q)
 
 
 @_ragged_attention_lse_backward.register_fake
-def _ragged_attention_lse_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens, causal, scale):
+def _ragged_attention_lse_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens, causal,
+                                        scale, window_left=-1, window_right=-1, softcap=0.0, sinks=None):
     torch._check(grad_out.shape == q.shape, lambda: f"grad_out {tuple(grad_out.shape)} must match q {tuple(q.shape)}")
     torch._check(
         lse.dim() == 2 and lse.shape[0] == q.shape[1] and lse.shape[1] == q.shape[0],
         lambda: f"lse must be [Hq, Tq] = {(q.shape[1], q.shape[0])}, got {tuple(lse.shape)}",
     )
     torch._check(max_lens.numel() == 2, lambda: "max_lens must hold [max_q, max_k]")
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    check_variants_meta(q, window_left, window_right, softcap, sinks)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks_fake(q, sinks)
 
 
 @_ragged_attention_lse_backward.register_kernel("cuda")
 def _ragged_attention_lse_backward_cuda(
-    grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens, causal, scale
+    grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens, causal, scale, window_left=-1, window_right=-1,
+    softcap=0.0, sinks=None,
 ):
+    variant = select.variant(causal, (window_left, window_right), softcap, sinks)
+    if select.cuda_runs_reference(q.device, q.dtype, q.shape[-1], variant):
+        grads = reference_attention_backward(
+            grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
+            **_variants(window_left, window_right, softcap, sinks),
+        )
+        return _with_dsinks(grads, q)
     max_q, max_k = max_lens.tolist()  # a CPU tensor: no sync
-    return _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale)
+    grads = _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale)
+    return _with_dsinks(grads, q)
 
 
 def _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, causal, scale):
@@ -378,23 +527,23 @@ class _EagerTraining(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         dq, dk, dv = _cuda_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.lens, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None  # calls without variants only
 
 
 def _lse_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right, softcap, sinks = inputs
     out, lse, max_lens = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens, sinks)
+    ctx.causal, ctx.scale, ctx.variants = causal, scale, (window_left, window_right, softcap)
     ctx.mark_non_differentiable(lse, max_lens)
 
 
 def _lse_backward(ctx, grad_out, _grad_lse, _grad_max_lens):
-    q, k, v, out, lse, cu_q, cu_k, max_lens = ctx.saved_tensors
-    dq, dk, dv = torch.ops.ragged_compile.ragged_attention_lse_backward(
-        grad_out, q, k, v, out, lse, cu_q, cu_k, max_lens, ctx.causal, ctx.scale
+    q, k, v, out, lse, cu_q, cu_k, max_lens, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.ragged_compile.ragged_attention_lse_backward(
+        grad_out, q, k, v, out, lse, cu_q, cu_k, max_lens, ctx.causal, ctx.scale, *ctx.variants, sinks
     )
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, (None if sinks is None else dsinks)
 
 
 _ragged_attention_lse.register_autograd(_lse_backward, setup_context=_lse_setup_context)
@@ -464,8 +613,10 @@ class _Attention(torch.autograd.Function):
     torch.library generates for register_autograd lacks (torch 2.13)."""
 
     @staticmethod
-    def forward(q, k, v, cu_q, cu_k, causal, scale):
-        return torch.ops.ragged_compile.ragged_attention(q, k, v, cu_q, cu_k, causal, scale)
+    def forward(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, softcap, sinks):
+        return torch.ops.ragged_compile.ragged_attention(
+            q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, softcap, sinks
+        )
 
     setup_context = staticmethod(_setup_context)
     backward = staticmethod(_backward)
@@ -475,19 +626,17 @@ class _Attention(torch.autograd.Function):
         raise RuntimeError(_NO_FORWARD_AD)
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, cu_q, cu_k, causal, scale):
-        return _vmap_per_element(
-            lambda *a: _Attention.apply(*a, causal, scale), info, in_dims[:5], q, k, v, cu_q, cu_k
-        )
+    def vmap(info, in_dims, *args):
+        return _vmap_per_element(_Attention.apply, info, in_dims, *args)
 
 
 class _AttentionBackward(torch.autograd.Function):
     """The backward op; differentiating it raises what the user can do instead."""
 
     @staticmethod
-    def forward(grad_out, q, k, v, cu_q, cu_k, causal, scale):
+    def forward(grad_out, q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, softcap, sinks):
         return torch.ops.ragged_compile.ragged_attention_backward(
-            grad_out, q, k, v, cu_q, cu_k, causal, scale
+            grad_out, q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, softcap, sinks
         )
 
     @staticmethod
@@ -503,8 +652,5 @@ class _AttentionBackward(torch.autograd.Function):
         raise RuntimeError(_NO_FORWARD_AD)
 
     @staticmethod
-    def vmap(info, in_dims, grad_out, q, k, v, cu_q, cu_k, causal, scale):
-        return _vmap_per_element(
-            lambda *a: _AttentionBackward.apply(*a, causal, scale),
-            info, in_dims[:6], grad_out, q, k, v, cu_q, cu_k,
-        )
+    def vmap(info, in_dims, *args):
+        return _vmap_per_element(_AttentionBackward.apply, info, in_dims, *args)

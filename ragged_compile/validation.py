@@ -24,6 +24,7 @@ from . import config
 
 __all__ = [
     "SUPPORTED_DTYPES", "check_inputs", "check_meta", "check_values", "check_cu_seqlens_values", "debug_checks", "set_debug_checks",
+    "check_variants", "check_variants_meta",
 ]
 
 # Dtypes the op computes (the reference kernel); FlashInfer takes fp16/bf16.
@@ -248,3 +249,69 @@ def check_meta(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
         lambda: f"q has dtype {q.dtype}; ragged_attention takes float16, bfloat16, float32, "
         f"float64: cast q, k and v with .to(torch.bfloat16)",
     )
+
+
+def _window_value(x, side: str) -> int:
+    if type(x).__module__ == "numpy" and hasattr(x, "item"):
+        x = x.item()
+    if isinstance(x, bool) or not isinstance(x, (numbers.Integral, torch.SymInt)):
+        raise TypeError(
+            f"window_size {side} must be an int (>= 0 tokens, or -1 for unbounded), got {type(x).__name__}; "
+            f"pass window_size=(left, right), e.g. (sliding_window - 1, 0) for a causal sliding window"
+        )
+    if isinstance(x, numbers.Integral):
+        x = int(x)
+        if x < -1:
+            raise ValueError(
+                f"window_size {side} must be >= -1 (-1: unbounded), got {x}; pass window_size=(left, right)"
+            )
+    return x
+
+
+def check_variants(q: torch.Tensor, window_size, softcap, sinks) -> tuple[int, int, float]:
+    """Check the variant arguments of a call; returns ``(left, right, softcap)`` as
+    ints and a float. ``sinks`` must be ``[Hq]`` floating on q's device, or None."""
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
+        raise TypeError(
+            f"window_size must be a 2-tuple (left, right) of ints, -1 for unbounded, got {window_size!r}; "
+            f"e.g. window_size=(sliding_window - 1, 0) for a causal sliding window"
+        )
+    left, right = _window_value(window_size[0], "left"), _window_value(window_size[1], "right")
+    if softcap is None:
+        softcap = 0.0
+    if type(softcap).__module__ == "numpy" and hasattr(softcap, "item"):
+        softcap = softcap.item()
+    if isinstance(softcap, bool) or not isinstance(softcap, (numbers.Real, torch.SymFloat, torch.SymInt)):
+        raise TypeError(f"softcap must be a float (0 for no cap), got {type(softcap).__name__}")
+    if isinstance(softcap, numbers.Real):
+        softcap = float(softcap)
+        if not math.isfinite(softcap) or softcap < 0:
+            raise ValueError(
+                f"softcap must be a finite float >= 0 (0: no cap; Gemma2 uses attn_logit_softcapping=50.0), "
+                f"got {softcap}"
+            )
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            raise TypeError(f"sinks must be a torch.Tensor of per-head logits [Hq] or None, got {type(sinks).__name__}")
+        if not sinks.is_floating_point():
+            raise TypeError(f"sinks must be a floating-point tensor, got {sinks.dtype}; cast it with .float()")
+        if sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
+            raise ValueError(
+                f"sinks must be [Hq] = [{q.shape[1]}] (one logit per query head), got shape {tuple(sinks.shape)}; "
+                f"reshape it with sinks.reshape({q.shape[1]})"
+            )
+        if sinks.device != q.device:
+            raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}; move it with sinks.to(q.device)")
+    return left, right, softcap
+
+
+def check_variants_meta(q, window_left, window_right, softcap, sinks) -> None:
+    """The ops' fake-kernel checks of the variant arguments (``torch._check``)."""
+    torch._check(window_left >= -1, lambda: f"window_left must be >= -1 (-1: unbounded), got {window_left}")
+    torch._check(window_right >= -1, lambda: f"window_right must be >= -1 (-1: unbounded), got {window_right}")
+    torch._check(softcap >= 0, lambda: f"softcap must be >= 0 (0: no cap), got {softcap}")
+    if sinks is not None:
+        torch._check(sinks.dim() == 1, lambda: f"sinks must be [Hq], got {sinks.dim()}-D")
+        torch._check(sinks.shape[0] == q.shape[1], lambda: f"sinks must be [Hq] = [{q.shape[1]}], got {tuple(sinks.shape)}")
+        torch._check(sinks.dtype.is_floating_point, lambda: f"sinks must be floating, got {sinks.dtype}")
+        torch._check(sinks.device == q.device, lambda: f"sinks is on {sinks.device} but q is on {q.device}")

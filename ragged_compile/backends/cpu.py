@@ -29,6 +29,16 @@ and its backward (blocked, so memory stays linear in the tokens; GQA native):
 * Gathered buffers stay small (``_GATHER`` elements): in cache, and below
   glibc's mmap threshold so freed ones are reused instead of faulted in anew.
 
+Variants: a sliding window (``window_size``) is a band of keys per row. A
+segment whose window binds is cut into chunks of rows (``_BAND_ROWS``), each
+with the keys its rows may see and a mask of that piece's size (rows x keys,
+never the segment's); equal chunks share a call. Sinks (per-head logits in
+the softmax denominator) rescale each call's output by ``sigmoid(lse - sink)``
+and join its log-sum-exp; the fused backward, handed that output and LSE,
+gives the exact gradients, and ``d(sink) = -sum_rows exp(sink - lse) *
+rowsum(dO * O)``. Soft-capping is not expressible in the fused kernel: the op
+runs the reference kernel for it (backends/select.py).
+
 The backward recomputes each call's forward (output and log-sum-exp) unless
 the caller passes them: the op's autograd saves q, k, v only, and recomputing
 costs ~1.25x forward+backward against a saved LSE (bench/results/cpu.md).
@@ -66,12 +76,17 @@ _MERGE = 1.5e5
 # 2 were slower still); 24 segments of 0..456 tokens did not move.
 _TINY = 32
 _PLANS = 8  # layouts whose plans are kept
+# Rows per chunk of a windowed segment: a chunk computes rows x (rows + window)
+# scores for rows x window useful ones, against ~40 us a call; ~32-64 rows
+# balance the two. A segment whose band covers most of it is one piece.
+_BAND_ROWS = 2 * _TINY
 
 
 class Piece(NamedTuple):
     """Query rows ``q0 : q0 + nq`` attending keys ``k0 : k0 + nk`` (packed indices).
 
-    Row ``i`` sees key ``j`` iff ``j <= i + diag`` (``diag`` is None: every key).
+    Row ``i`` sees key ``j`` iff ``j <= i + diag`` (``diag`` is None: every key)
+    and ``j >= i + low`` (``low`` is None: no lower bound; windows only).
     """
 
     q0: int
@@ -79,16 +94,52 @@ class Piece(NamedTuple):
     k0: int
     nk: int
     diag: int | None
+    low: int | None = None
 
 
-def _pieces(lq, lk, cuq, cuk, causal, hq):
-    """Split segments into pieces of the three kinds; skip what sees no key."""
-    free, square, masked = [], [], []
+def _band(Lq, Lk, q0, k0, left, right):
+    """Pieces of one segment under a window (``left``/``right`` bind, -1: unbounded):
+    chunks of rows, each with the keys its rows see, rows that see no key left out."""
+    shift = Lk - Lq
+    first = 0 if right < 0 else min(Lq, max(0, Lq - Lk - right))  # rows above: blind
+    span = left + right + 1 if left >= 0 and right >= 0 else Lk
+    step = _TINY if span <= _TINY else _BAND_ROWS
+    step = max(1, min(step, _BUDGET // min(Lk, step + span)))
+    out = []
+    for r0 in range(first, Lq, step):
+        r1 = min(Lq, r0 + step)
+        lo = max(0, r0 + shift - left) if left >= 0 else 0
+        hi = min(Lk - 1, r1 - 1 + shift + right) if right >= 0 else Lk - 1
+        diag = r0 + shift + right - lo if right >= 0 else None
+        low = r0 + shift - left - lo if left >= 0 else None
+        out.append(Piece(q0 + r0, r1 - r0, k0 + lo, hi - lo + 1, diag, low))
+    if len(out) > 1 and 3 * sum(p.nq * p.nk for p in out) >= 2 * (Lq - first) * Lk and (Lq - first) * Lk <= _BUDGET:
+        # the band covers most of the segment: one piece, one mask
+        diag = first + shift + right if right >= 0 else None
+        low = first + shift - left if left >= 0 else None
+        out = [Piece(q0 + first, Lq - first, k0, Lk, diag, low)]
+    return out
+
+
+def _pieces(lq, lk, cuq, cuk, causal, hq, window=(-1, -1)):
+    """Split segments into pieces of the four kinds; skip what sees no key."""
+    free, square, masked, band = [], [], [], []
+    left, right = window
+    if causal:
+        right = 0
+    bands = 0  # segments cut into band pieces
     for i in range(len(lq)):
         Lq, Lk = lq[i], lk[i]
         if Lq == 0 or Lk == 0:
             continue
-        if not causal:
+        # A bound binds a segment when some row it limits would otherwise see more.
+        seg_left = left if 0 <= left < Lk - 1 else -1
+        seg_right = right if right == 0 or 0 < right < Lq - 1 else -1
+        if seg_left >= 0 or seg_right > 0:
+            band += _band(Lq, Lk, cuq[i], cuk[i], seg_left, seg_right)
+            bands += 1
+            continue
+        if seg_right < 0:
             free.append(Piece(cuq[i], Lq, cuk[i], Lk, None))
             continue
         blind = max(0, Lq - Lk)  # rows above the bottom-right diagonal
@@ -101,7 +152,7 @@ def _pieces(lq, lk, cuq, cuk, causal, hq):
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             masked.append(Piece(cuq[i] + r0, r1 - r0, cuk[i], min(Lk, r1 - 1 + d0 + 1), r0 + d0))
-    return free, square, masked
+    return free, square, masked, band, len(band) > bands
 
 
 def _runs(ps):
@@ -126,14 +177,16 @@ def _group(pieces, kind, hq, hkv, d):
     """
     exact = {}
     for p in pieces:  # segment order within a shape: back-to-back runs stay views
-        exact.setdefault((p.nq, p.nk, p.diag), []).append(p)
+        exact.setdefault((p.nq, p.nk, p.diag, p.low), []).append(p)
     groups = []  # [pieces, Pq, Pk, gathered]
-    for nq, nk, diag in sorted(exact, key=lambda t: (t[1], t[0], t[2] or 0), reverse=True):
-        ps = exact[(nq, nk, diag)]
-        if max(nq, nk) > _TINY:
+    exact_masks = kind in ("masked", "band")
+    tiny = 2 * _TINY if kind == "band" else _TINY  # band pieces of one segment overlap: never runs
+    for nq, nk, diag, low in sorted(exact, key=lambda t: (t[1], t[0], t[2] or 0, t[3] or 0), reverse=True):
+        ps = exact[(nq, nk, diag, low)]
+        if max(nq, nk) > tiny:
             groups += [[run, nq, nk, False] for run in _runs(ps)]
             continue
-        if groups and groups[-1][3] and kind != "masked":
+        if groups and groups[-1][3] and not exact_masks:
             g, Pq, Pk, _ = groups[-1]
             pq = max(Pq, nq)
             extra = len(ps) * (pq * Pk - nq * nk) + len(g) * (pq - Pq) * Pk
@@ -144,12 +197,12 @@ def _group(pieces, kind, hq, hkv, d):
     calls = []
     for ps, Pq, Pk, gathered in groups:
         per = max(Pq * hq, Pk * hkv) * d
-        if kind == "masked":
+        if exact_masks:
             per = max(per, Pq * Pk)
         step = max(1, (_GATHER if gathered else _VIEWS) // per)
         for s0 in range(0, len(ps), step):
             part = tuple(ps[s0 : s0 + step])
-            if kind == "masked":
+            if exact_masks:
                 mask = "full"
             elif kind == "free" and any(p.nk != Pk for p in part):
                 mask = "keys"
@@ -191,8 +244,12 @@ def _mask(pieces, Pq, Pk, kind):
     if kind == "keys":
         allowed = j < nk
     else:
-        diag = torch.tensor([p.diag for p in pieces])[:, None, None, None]
-        allowed = (j < nk) & (j <= torch.arange(Pq)[:, None] + diag)
+        i = torch.arange(Pq)[:, None]
+        allowed = j < nk
+        if any(p.diag is not None for p in pieces):  # one shape per call: all or none
+            allowed = allowed & (j <= i + torch.tensor([p.diag for p in pieces])[:, None, None, None])
+        if any(p.low is not None for p in pieces):
+            allowed = allowed & (j >= i + torch.tensor([p.low for p in pieces])[:, None, None, None])
     if bool(allowed.all(0).eq(allowed[0]).all()):  # one mask for the whole batch
         allowed = allowed[:1]
     return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
@@ -221,14 +278,15 @@ _plans: OrderedDict = OrderedDict()
 _plans_lock = threading.Lock()
 
 
-def plan(cu_seqlens_q, cu_seqlens_k, causal, hq, hkv, d) -> Plan:
+def plan(cu_seqlens_q, cu_seqlens_k, causal, hq, hkv, d, window_size=(-1, -1)) -> Plan:
     """The kernel calls of one layout (host work only; offsets are CPU tensors).
 
     The last few plans are kept: the backward of a step finds its forward's.
     """
     cuq = cu_seqlens_q.tolist()
     cuk = cu_seqlens_k.tolist()
-    key = (tuple(cuq), tuple(cuk), causal, hq, hkv, d)
+    window = tuple(int(w) for w in window_size)
+    key = (tuple(cuq), tuple(cuk), causal, hq, hkv, d, window)
     with _plans_lock:
         found = _plans.get(key)
         if found is not None:
@@ -236,16 +294,16 @@ def plan(cu_seqlens_q, cu_seqlens_k, causal, hq, hkv, d) -> Plan:
             return found
     lq = [b - a for a, b in zip(cuq[:-1], cuq[1:])]
     lk = [b - a for a, b in zip(cuk[:-1], cuk[1:])]
-    free, square, masked = _pieces(lq, lk, cuq, cuk, causal, hq)
+    free, square, masked, band, band_shared = _pieces(lq, lk, cuq, cuk, causal, hq, window)
     calls = []
-    for kind, ps in (("free", free), ("square", square), ("masked", masked)):
+    for kind, ps in (("free", free), ("square", square), ("masked", masked), ("band", band)):
         for part, Pq, Pk, mask_kind in _group(ps, kind, hq, hkv, d):
             qr = _rows([p.q0 for p in part], [p.nq for p in part], Pq)
             kr = _rows([p.k0 for p in part], [p.nk for p in part], Pk)
             mask = None if mask_kind == "none" else _mask(part, Pq, Pk, mask_kind)
             calls.append(Call(part, len(part), Pq, Pk, kind == "square", mask, qr, kr))
-    covered = sum(p.nq for p in free + square + masked) == (cuq[-1] if cuq else 0)
-    shared = len(masked) > len({p.k0 for p in masked})
+    covered = sum(p.nq for p in free + square + masked + band) == (cuq[-1] if cuq else 0)
+    shared = len(masked) > len({p.k0 for p in masked}) or band_shared
     result = Plan(calls, covered, shared)
     with _plans_lock:
         _plans[key] = result
@@ -294,59 +352,83 @@ def _inputs(c: Call, qf, kf, vf):
     return _gather(qf, c.q, c.B, c.Pq), _gather(kf, c.k, c.B, c.Pk), _gather(vf, c.k, c.B, c.Pk)
 
 
-def cpu_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, return_lse=False):
+def _sink_rows(sinks):
+    """[Hq] sinks as float32 [1, Hq, 1] (the kernel's [B, H, P] LSE layout), or None."""
+    return None if sinks is None else sinks.detach().float().reshape(1, -1, 1)
+
+
+def _with_sinks(o, l, sink):
+    """A call's output and LSE with the sinks in the denominator: o * sigmoid(l - s),
+    logaddexp(l, s). Rows' values are untouched: a sink adds no value."""
+    if sink is None:
+        return o, l
+    return o * torch.sigmoid(l - sink)[..., None], torch.logaddexp(l, sink)
+
+
+def cpu_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, return_lse=False, *, window_size=(-1, -1), sinks=None):
     """Ragged attention on CPU; same contract as the op (arguments assumed valid).
 
     With ``return_lse`` also the float32 log-sum-exp ``[Tq, Hq]`` (natural log,
-    scale included; +inf for rows that see no key), which
+    scale included, sinks too; +inf for rows that see no key), which
     :func:`cpu_attention_backward` takes to skip recomputing the forward.
+    ``window_size`` and ``sinks`` as the op's (the module docstring says how).
     """
     Tq, Hq, D = q.shape
-    p = plan(cu_seqlens_q, cu_seqlens_k, causal, Hq, k.shape[1], D)
+    p = plan(cu_seqlens_q, cu_seqlens_k, causal, Hq, k.shape[1], D, window_size)
     qf, kf, vf = _prepare(q), _prepare(k), _prepare(v)
+    sink = _sink_rows(sinks)
     lse = torch.full((Tq, Hq), math.inf) if return_lse else None
     if len(p.calls) == 1 and p.covered and q.dtype == torch.float32 and not return_lse:
         c = p.calls[0]
         if c.q.start == 0:  # one view in, the kernel's own output out: no copy at all
-            o, _ = _flash(*_inputs(c, qf, kf, vf), 0.0, c.is_causal, attn_mask=c.mask, scale=scale)
-            return o.transpose(1, 2).reshape(Tq, Hq, D)
+            o, l = _flash(*_inputs(c, qf, kf, vf), 0.0, c.is_causal, attn_mask=c.mask, scale=scale)
+            return _with_sinks(o, l, sink)[0].transpose(1, 2).reshape(Tq, Hq, D)
     out = (torch.empty if p.covered else torch.zeros)(Tq, Hq, D, dtype=q.dtype)
     for c in p.calls:
-        o, l = _flash(*_inputs(c, qf, kf, vf), 0.0, c.is_causal, attn_mask=c.mask, scale=scale)
+        o, l = _with_sinks(*_flash(*_inputs(c, qf, kf, vf), 0.0, c.is_causal, attn_mask=c.mask, scale=scale), sink)
         _scatter(out, o, c.q)
         if return_lse:
             _scatter(lse[:, :, None], l[..., None], c.q)
     return (out, lse) if return_lse else out
 
 
-def cpu_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, out=None, lse=None):
-    """Gradients ``(dq, dk, dv)`` of :func:`cpu_attention`.
+def cpu_attention_backward(
+    grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, out=None, lse=None, *, window_size=(-1, -1), sinks=None,
+):
+    """Gradients ``(dq, dk, dv)`` of :func:`cpu_attention`; with ``sinks``,
+    ``(dq, dk, dv, dsinks)``, dsinks in the sinks' dtype.
 
-    ``out`` and ``lse`` (from ``cpu_attention(..., return_lse=True)``) save one
-    forward per call; without them each call's forward is recomputed.
-    Rows that see no key get zero gradients, and so do keys no row sees.
+    ``out`` and ``lse`` (from ``cpu_attention(..., return_lse=True)``, sinks
+    included) save one forward per call; without them each call's forward is
+    recomputed. Rows that see no key get zero gradients, and so do keys no row sees.
     """
     Tq, Hq, D = q.shape
-    p = plan(cu_seqlens_q, cu_seqlens_k, causal, Hq, k.shape[1], D)
+    p = plan(cu_seqlens_q, cu_seqlens_k, causal, Hq, k.shape[1], D, window_size)
     qf, kf, vf, gf = _prepare(q), _prepare(k), _prepare(v), _prepare(grad_out)
+    sink = _sink_rows(sinks)
     if out is not None:
         of, lf = _prepare(out), lse[:, :, None]
     dq = (torch.empty if p.covered else torch.zeros)(Tq, Hq, D, dtype=q.dtype)
-    # float32 accumulation only where causal pieces chunked by rows share keys
+    # float32 accumulation only where pieces chunked by rows share keys
     acc = torch.float32 if p.shared_keys else k.dtype
     dk = torch.zeros(k.shape, dtype=acc)
     dv = torch.zeros(v.shape, dtype=acc)
+    dsinks = None if sinks is None else torch.zeros(Hq)
     for c in p.calls:
         qg, kg, vg = _inputs(c, qf, kf, vf)
         if out is None:
-            o, l = _flash(qg, kg, vg, 0.0, c.is_causal, attn_mask=c.mask, scale=scale)
+            o, l = _with_sinks(*_flash(qg, kg, vg, 0.0, c.is_causal, attn_mask=c.mask, scale=scale), sink)
         else:
             o = _gather(of, c.q, c.B, c.Pq)
             # padded rows: lse +inf makes their probabilities exp(s - inf) = 0
             l = _gather(lf, c.q, c.B, c.Pq, fill=math.inf).squeeze(-1)
         g = _gather(gf, c.q, c.B, c.Pq)
         gq, gk, gv = _flash_bwd(g, qg, kg, vg, o, l, 0.0, c.is_causal, attn_mask=c.mask, scale=scale)
+        if dsinks is not None:
+            # padded rows: dO is zero there, so they add nothing
+            dsinks -= (torch.exp(sink - l) * (g * o).sum(-1)).sum((0, 2))
         _scatter(dq, gq, c.q)
         _scatter(dk, gk, c.k, accumulate=p.shared_keys)
         _scatter(dv, gv, c.k, accumulate=p.shared_keys)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    grads = dq, dk.to(k.dtype), dv.to(v.dtype)
+    return grads if sinks is None else grads + (dsinks.to(sinks.dtype),)

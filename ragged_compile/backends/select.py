@@ -18,7 +18,23 @@ backward            :func:`backward_kernel`: ``"fa4"`` (flash-attn-4, SM90) or `
                     reference's own backward elsewhere
 rewrites, hf.py     :func:`unsupported_reason`: why a call should stay with stock
                     PyTorch, or None
+variants            :func:`variant`: which of ``"window"``, ``"softcap"``, ``"sinks"`` a
+                    call uses (a sorted tuple, ``()`` for plain attention); every
+                    function above takes it as ``variant=``
 ==================  =====================================================================
+
+Variants, where they run:
+
+==========  ================================  =========================================
+variant     CPU                               CUDA
+==========  ================================  =========================================
+window      the fused CPU kernel (a band      the reference kernel, forward and
+            mask per piece)                   backward, said once at WARNING
+sinks       the fused CPU kernel (output and  (FlashInfer kernels for the variants are
+            LSE rescaled; exact backward)     planned, not wired)
+softcap     the reference kernel (the fused
+            kernel cannot cap scores)
+==========  ================================  =========================================
 
 Each reason is one message, written once below. Kernels and variants plug in
 here: a new kernel adds its support test to :func:`_cuda_forward_reason` (or
@@ -39,6 +55,11 @@ from . import fa4_backward, flash_backward
 from . import flashinfer as fi
 
 __all__ = [
+    "WINDOW",
+    "SOFTCAP",
+    "SINKS",
+    "variant",
+    "cuda_runs_reference",
     "forward_kernel",
     "forward_reason",
     "flashinfer_backend",
@@ -49,6 +70,46 @@ __all__ = [
     "fa4_failed",
     "unsupported_reason",
 ]
+
+# -- variants ---------------------------------------------------------------------
+
+WINDOW, SOFTCAP, SINKS = "window", "softcap", "sinks"
+
+
+def variant(causal: bool, window_size=(-1, -1), softcap: float = 0.0, sinks=None) -> tuple[str, ...]:
+    """The variants a call uses: a sorted tuple of :data:`SINKS`, :data:`SOFTCAP`,
+    :data:`WINDOW`, ``()`` for plain (causal or not) attention.
+
+    A window counts where it bounds more than causal does: ``left >= 0``, or
+    ``right >= 0`` without causal (causal caps ``right`` at 0 itself).
+    """
+    left, right = window_size
+    names = []
+    if sinks is not None:
+        names.append(SINKS)
+    if softcap:
+        names.append(SOFTCAP)
+    if left >= 0 or (right >= 0 and not causal):
+        names.append(WINDOW)
+    return tuple(names)
+
+
+def _variant_reason(variant: tuple[str, ...]) -> str | None:
+    if not variant:
+        return None
+    return f"FlashInfer kernels for {' / '.join(variant)} are not wired yet (planned)"
+
+
+def cuda_runs_reference(device: torch.device, dtype: torch.dtype, head_dim: int, variant: tuple[str, ...]) -> bool:
+    """Whether a CUDA kernel of the op hands a variant call to the reference kernel
+    (forward and backward, exact); says so once at WARNING."""
+    reason = _variant_reason(variant) if device.type == "cuda" else None
+    if reason is None:
+        return False
+    warn_once(f"{reason}: CUDA ragged attention with {' / '.join(variant)} runs the (slow, exact) reference kernel, "
+              "forward and backward")
+    return True
+
 
 # -- forward ----------------------------------------------------------------------
 
@@ -65,24 +126,35 @@ def _cuda_forward_reason(dtype: torch.dtype, head_dim: int) -> str | None:
     return None
 
 
-def forward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """The forward kernel of a call: ``"cpu"``, ``"flashinfer"`` or ``"reference"``."""
+_CPU_SOFTCAP = "the fused CPU kernel cannot soft-cap scores"
+
+
+def forward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, variant: tuple[str, ...] = ()) -> str:
+    """The forward kernel of a call: ``"cpu"``, ``"flashinfer"`` or ``"reference"``.
+    ``variant``: :func:`variant` of the call (CUDA variants and CPU softcap run the
+    reference)."""
     if device.type == "cpu":
-        return "reference" if dtype == torch.float64 or config.flag(config.REFERENCE) else "cpu"
-    if device.type == "cuda" and _cuda_forward_reason(dtype, head_dim) is None:
+        if dtype == torch.float64 or config.flag(config.REFERENCE) or SOFTCAP in variant:
+            return "reference"
+        return "cpu"
+    if device.type == "cuda" and not variant and _cuda_forward_reason(dtype, head_dim) is None:
         return "flashinfer"
     return "reference"
 
 
-def forward_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+def forward_reason(
+    device: torch.device, dtype: torch.dtype, head_dim: int, variant: tuple[str, ...] = ()
+) -> str | None:
     """Why a call runs the (slow, exact) reference kernel, or None where it runs a fast one."""
     if device.type == "cuda":
-        return _cuda_forward_reason(dtype, head_dim)
+        return _cuda_forward_reason(dtype, head_dim) or _variant_reason(variant)
     if device.type == "cpu":
         if dtype == torch.float64:
             return None  # float64 is the reference's own precision: it is the kernel for it
         if config.flag(config.REFERENCE):
             return f"{config.REFERENCE} is set"
+        if SOFTCAP in variant:
+            return _CPU_SOFTCAP
         return None
     return f"no kernel of its own on {device.type}"
 
@@ -184,11 +256,14 @@ def training_reason(device: torch.device, dtype: torch.dtype, head_dim) -> str |
     return _cuda_training_reason(device, dtype, head_dim)
 
 
-def trains_with_lse(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+def trains_with_lse(device: torch.device, dtype: torch.dtype, head_dim: int, variant: tuple[str, ...] = ()) -> bool:
     """Whether a grad-requiring call runs the LSE pair: on CUDA where FlashInfer and a
-    fused backward take it (else, said once, the reference); on CPU wherever the
-    fused CPU kernel runs, whose backward then reuses the forward's LSE."""
+    fused backward take it (else, said once, the reference; always for a variant);
+    on CPU wherever the fused CPU kernel runs, whose backward then reuses the
+    forward's LSE (windows and sinks too)."""
     if device.type == "cuda":
+        if variant:
+            return False  # the reference kernel, forward and backward (cuda_runs_reference says so)
         reason = training_reason(device, dtype, head_dim)
         if reason is None:
             return True
@@ -197,7 +272,7 @@ def trains_with_lse(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
             # forward FlashInfer cannot take says so itself, for both directions.)
             warn_once(f"a CUDA call needs gradients but {reason}: its backward runs the (slow, exact) reference kernel")
         return False
-    return forward_kernel(device, dtype, head_dim) == "cpu"
+    return forward_kernel(device, dtype, head_dim, variant) == "cpu"
 
 
 def backward_kernel(
@@ -253,7 +328,9 @@ def _warn_fa4(reason: str) -> None:
 # -- rewrites ------------------------------------------------------------------------
 
 
-def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim, *, training: bool = False) -> str | None:
+def unsupported_reason(
+    device: torch.device, dtype: torch.dtype, head_dim, *, training: bool = False, variant: tuple[str, ...] = ()
+) -> str | None:
     """Why a rewrite (the NJT handler, the Inductor passes, hf.py) should leave an
     attention call to stock PyTorch, or None to put it on the op.
 
@@ -262,6 +339,12 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim, *, tr
     NJTs. On CUDA the call must reach FlashInfer, and with ``training`` a fused
     backward too: stock fp32 or head_dim > 256 attention there is a fused kernel,
     and ours would be the reference.
+
+    ``variant`` (:func:`variant`): on CPU every variant stays on the op (windows
+    and sinks on the fused CPU kernel, softcap on the reference, all exact and
+    skipping padding); on CUDA a variant runs the reference kernel for now, so
+    the caller keeps the call on its stock path where that path is exact (a
+    rewritten SDPA call, a model's own eager attention).
     """
     if dtype not in SUPPORTED_DTYPES:
         return f"dtype {dtype} is not supported"
@@ -270,6 +353,7 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim, *, tr
     if not isinstance(head_dim, int):
         return "the head dim is symbolic"
     reason = _cuda_training_reason(device, dtype, head_dim) if training else _cuda_forward_reason(dtype, head_dim)
+    reason = reason or _variant_reason(variant)
     if reason is not None:
         return f"{reason}, so the op would run the reference kernel on CUDA"
     return None

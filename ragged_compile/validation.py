@@ -283,7 +283,11 @@ def check_variants(q: torch.Tensor, window_size, softcap, sinks) -> tuple[int, i
         softcap = softcap.item()
     if isinstance(softcap, bool) or not isinstance(softcap, (numbers.Real, torch.SymFloat, torch.SymInt)):
         raise TypeError(f"softcap must be a float (0 for no cap), got {type(softcap).__name__}")
-    if isinstance(softcap, numbers.Real):
+    if torch.compiler.is_compiling() or not isinstance(softcap, numbers.Real):
+        # Symbolic under torch.compile(dynamic=True): a traceable check, as for scale.
+        torch._check(softcap >= 0, lambda: "softcap must be >= 0 (0: no cap)")
+        torch._check(softcap < math.inf, lambda: "softcap must be finite")
+    else:
         softcap = float(softcap)
         if not math.isfinite(softcap) or softcap < 0:
             raise ValueError(

@@ -13,8 +13,11 @@ What it holds:
   :func:`segment_lengths` and :func:`tiny_segment_lengths` are the building blocks.
 * Strategies for **attention calls**: :func:`attention_inputs` draws a dict of
   :func:`ragged_compile.ragged_attention` keyword arguments (random q/k/v, GQA
-  ratios, head dims incl. 72/80/96, dtypes, causal, scale).
+  ratios, head dims incl. 72/80/96, dtypes, causal, scale; on request sliding
+  windows, soft-capping and attention sinks: ``window_size=True``,
+  ``softcap=True``, ``sinks=True``, or a fixed value or strategy of them).
   :func:`attention_cases` draws the same as a reproducible :class:`AttentionCase`.
+  :func:`window_sizes` and :func:`softcaps` are the variants' strategies.
 * Every strategy keeps, in every draw, every bound it is given, and checks its
   arguments when it is made: a bad or contradictory one raises ``ValueError``
   naming it.
@@ -82,6 +85,8 @@ __all__ = [
     "attention_cases",
     "head_configs",
     "head_dims",
+    "window_sizes",
+    "softcaps",
     "scales",
     "dtypes",
     "index_dtypes",
@@ -325,11 +330,12 @@ def cu_seqlens(lengths, dtype: torch.dtype = torch.int32, device="cpu") -> torch
     return torch.tensor(cu, dtype=dtype, device=device)
 
 
-def no_key_rows(q_lengths, k_lengths, causal: bool) -> torch.Tensor:
+def no_key_rows(q_lengths, k_lengths, causal: bool, window_size=(-1, -1)) -> torch.Tensor:
     """Bool ``[Tq]``: query rows that see no key (empty k/v segment, or above the
-    bottom-right causal diagonal when ``Lq > Lk``). Their attention output is zero."""
+    bottom-right causal diagonal, or the window's ``right`` bound, when ``Lq > Lk``).
+    Their attention output is zero."""
     cu_q, cu_k = cu_seqlens(q_lengths, torch.int64), cu_seqlens(k_lengths, torch.int64)
-    return ~sees_key(cu_q, cu_k, int(cu_q[-1]), causal)
+    return ~sees_key(cu_q, cu_k, int(cu_q[-1]), causal, window_size)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -654,6 +660,28 @@ class AttentionCase:
     index_dtype: torch.dtype = torch.int32
     fused_qkv: bool = False
     pass_cu_k: bool = True
+    window_size: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    sinks: bool = False
+
+    @property
+    def variants(self) -> dict:
+        """The call's variant keywords (``window_size``, ``softcap``, ``sinks`` where
+        set), ``sinks`` as :meth:`sink_logits` on the CPU."""
+        out = {}
+        if tuple(self.window_size) != (-1, -1):
+            out["window_size"] = tuple(self.window_size)
+        if self.softcap:
+            out["softcap"] = self.softcap
+        if self.sinks:
+            out["sinks"] = self.sink_logits()
+        return out
+
+    def sink_logits(self, device="cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The case's sinks ``[Hq]`` (normal, mean 0, std 2, from ``seed``), in the
+        case's dtype unless ``dtype`` is given."""
+        g = torch.Generator().manual_seed(self.seed + 7)
+        return (2 * torch.randn(self.hq, generator=g)).to(device, self.dtype if dtype is None else dtype)
 
     @property
     def q_lengths(self) -> tuple[int, ...]:
@@ -707,6 +735,9 @@ class AttentionCase:
             causal=self.causal,
             scale=self.scale,
         )
+        args.update(self.variants)
+        if self.sinks:
+            args["sinks"] = self.sink_logits(inputs.q.device, inputs.q.dtype)
         args.case = self
         return args
 
@@ -715,14 +746,47 @@ class AttentionCase:
         return self.call_kwargs(self.tensors(device))
 
     def no_key_rows(self) -> torch.Tensor:
-        return no_key_rows(self.q_lengths, self.k_lengths, self.causal)
+        return no_key_rows(self.q_lengths, self.k_lengths, self.causal, self.window_size)
 
     def __repr__(self) -> str:  # short enough to read in a failure report
+        variants = "".join(
+            f", {name}={getattr(self, name)!r}" for name, off in (("window_size", (-1, -1)), ("softcap", 0.0), ("sinks", False))
+            if getattr(self, name) != off
+        )
         return (
             f"AttentionCase({self.layout!r}, hq={self.hq}, hkv={self.hkv}, head_dim={self.head_dim}, "
             f"dtype={self.dtype}, causal={self.causal}, scale={self.scale}, seed={self.seed}, "
-            f"index_dtype={self.index_dtype}, fused_qkv={self.fused_qkv}, pass_cu_k={self.pass_cu_k})"
+            f"index_dtype={self.index_dtype}, fused_qkv={self.fused_qkv}, pass_cu_k={self.pass_cu_k}{variants})"
         )
+
+
+def window_sizes(max_len: int = 256) -> st.SearchStrategy[tuple[int, int]]:
+    """``(left, right)`` sliding windows: each side -1 (unbounded), 0, or up to a
+    little past ``max_len`` (a window longer than every segment), at least one
+    side bounded."""
+    _count("max_len", max_len)
+    side = st.one_of(st.just(-1), st.just(0), st.integers(0, max_len + 2))
+    return st.tuples(side, side).filter(lambda w: w != (-1, -1))
+
+
+def softcaps(min_value: float = 0.5, max_value: float = 50.0) -> st.SearchStrategy[float]:
+    """Soft-caps ``> 0``: small ones that bind the scores, up to Gemma2's 50."""
+    if not (0 < min_value <= max_value < math.inf):
+        raise ValueError(f"softcaps needs 0 < min_value <= max_value < inf, got {min_value}, {max_value}")
+    return st.floats(min_value, max_value, allow_nan=False, allow_infinity=False)
+
+
+def _variant_strategy(value, drawn: Callable[[], st.SearchStrategy], off):
+    """A strategy for one variant argument of :func:`attention_cases`: ``False``/None
+    (off), ``True`` (drawn, or off now and then), a fixed value or a strategy."""
+    if value is None or value is False:
+        return st.just(off)
+    if value is True:
+        return st.one_of(st.just(off), drawn())
+    if isinstance(value, st.SearchStrategy):
+        return value
+    return st.just(value)
+
 
 
 def attention_cases(
@@ -741,6 +805,9 @@ def attention_cases(
     causal: bool | None = None,
     index_dtypes: tuple[torch.dtype, ...] = INDEX_DTYPES,
     fused_qkv: bool = True,
+    window_size=False,
+    softcap=False,
+    sinks=False,
 ) -> st.SearchStrategy[AttentionCase]:
     """A complete :class:`AttentionCase` with bounded work.
 
@@ -755,6 +822,12 @@ def attention_cases(
     ``dtypes``, ``head_dims``, ``gqa_ratios``, ``index_dtypes``: drawn from.
     ``causal``: ``None`` draws both. ``fused_qkv``: about one self layout in
     four has q, k and v as slices of one tensor.
+
+    Variants, off by default: ``window_size`` (``True``: :func:`window_sizes`
+    within ``max_len``, or none now and then; or a fixed ``(left, right)``, or a
+    strategy), ``softcap`` (``True``: :func:`softcaps` or 0; or a float or a
+    strategy), ``sinks`` (``True``: with or without; the logits come from the
+    case's seed, :meth:`AttentionCase.sink_logits`).
     """
     dtypes = _check_dtypes("dtypes", dtypes)
     head_dims = _choices("head_dims", head_dims, lambda d: _int_at_least(d, 1), "head dims (ints >= 1)")
@@ -771,16 +844,30 @@ def attention_cases(
     _flag("fused_qkv", fused_qkv, optional=False)
     if not (layout is None or isinstance(layout, (Layout, st.SearchStrategy))):
         raise ValueError(f"layout must be a testing.Layout, a strategy of them or None, got {layout!r}")
+    if not (isinstance(window_size, (bool, st.SearchStrategy)) or window_size is None):
+        if not (isinstance(window_size, tuple) and len(window_size) == 2
+                and all(_int_at_least(w, -1) for w in window_size)):
+            raise ValueError(f"window_size must be a bool, a (left, right) tuple of ints >= -1 or a strategy, got {window_size!r}")
+    if not (isinstance(softcap, (bool, st.SearchStrategy)) or softcap is None):
+        if not (isinstance(softcap, numbers.Real) and 0 <= softcap < math.inf):
+            raise ValueError(f"softcap must be a bool, a float >= 0 or a strategy, got {softcap!r}")
+    if not isinstance(sinks, (bool, st.SearchStrategy)):
+        raise ValueError(f"sinks must be a bool or a strategy of bools, got {sinks!r}")
+    variants = (
+        _variant_strategy(window_size, lambda: window_sizes(max_len), (-1, -1)),
+        _variant_strategy(softcap, softcaps, 0.0),
+        _variant_strategy(sinks, lambda: st.just(True), False),
+    )
     return _attention_cases(
         layout, dtypes, head_dims, gqa_ratios, max_segments, min_segments, max_len, max_elements,
-        max_score_elements, max_tiny_segments, cross, causal, index_dtypes, fused_qkv,
+        max_score_elements, max_tiny_segments, cross, causal, index_dtypes, fused_qkv, variants,
     )
 
 
 @st.composite
 def _attention_cases(
     draw, layout, dtypes, head_dims, gqa_ratios, max_segments, min_segments, max_len, max_elements,
-    max_score_elements, max_tiny_segments, cross, causal, index_dtypes, fused_qkv,
+    max_score_elements, max_tiny_segments, cross, causal, index_dtypes, fused_qkv, variants,
 ) -> AttentionCase:
     dtype = draw(_dtype_strategy(dtypes))
     D = draw(_head_dim_strategy(head_dims))
@@ -813,6 +900,9 @@ def _attention_cases(
         index_dtype=draw(_index_dtype_strategy(index_dtypes)),
         fused_qkv=fused_qkv and (not layout.cross) and draw(st.integers(0, 3)) == 0,
         pass_cu_k=draw(st.booleans()),
+        window_size=tuple(draw(variants[0])),
+        softcap=float(draw(variants[1])),
+        sinks=bool(draw(variants[2])),
     )
 
 
@@ -903,10 +993,14 @@ def assert_matches_reference(
     scale: float | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     rtol: float | None = None,
     atol: float | None = None,
 ) -> None:
-    """Assert ``out`` is ``ragged_attention(q, k, v, ...)`` up to ``out``'s dtype.
+    """Assert ``out`` is ``ragged_attention(q, k, v, ...)`` up to ``out``'s dtype
+    (variants included: ``window_size``, ``softcap``, ``sinks``).
 
     The oracle is one dense float64 softmax per segment (on the CPU). Checks
     shape, dtype and device, that every value is finite, that rows seeing no key
@@ -937,14 +1031,15 @@ def assert_matches_reference(
     if not bool(torch.isfinite(got).all()):
         row = int((~torch.isfinite(got)).flatten(1).any(1).nonzero()[0])
         raise AssertionError(f"out has a non-finite value at row {row} (segment {int(seg[row])})")
-    blind = ~sees_key(cu_q_host, cu_k_host, q.shape[0], causal)
+    blind = ~sees_key(cu_q_host, cu_k_host, q.shape[0], causal, window_size)
     if bool((got[blind] != 0).any()):
         row = int(blind.nonzero()[(got[blind] != 0).flatten(1).any(1)][0])
         raise AssertionError(
             f"row {row} (segment {int(seg[row])}) sees no key, so its output must be zero; "
             f"got max |out| {got[row].abs().max().item():.3g}"
         )
-    ref = dense_attention(q.detach(), k.detach(), v.detach(), cu_q_host, cu_k_host, causal, s)
+    variants = dict(window_size=window_size, softcap=softcap, sinks=None if sinks is None else sinks.detach().cpu())
+    ref = dense_attention(q.detach(), k.detach(), v.detach(), cu_q_host, cu_k_host, causal, s, **variants)
     err = (got - ref).abs()
     bound = atol + rtol * ref.abs()
     if not bool((err <= bound).all()):

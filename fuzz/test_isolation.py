@@ -2,7 +2,9 @@
 
 A NaN or +-inf at one random position of one segment's q, k, v or grad_out,
 and every other segment's output and gradients must equal the clean run's bit
-for bit: on the op's CPU kernel (through autograd) and on the reference kernel.
+for bit: on the op's CPU kernel (through autograd) and on the reference kernel,
+plain and with the variants (sliding windows, softcap, sinks; the sinks' own
+gradient sums over every segment, so it is not among the compared).
 """
 
 from __future__ import annotations
@@ -19,20 +21,20 @@ from ragged_compile.testing import attention_cases, scaled_examples
 _INT = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
-def _op(q, k, v, go, cu_q, cu_k, causal, scale):
+def _op(q, k, v, go, cu_q, cu_k, causal, scale, **variants):
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    out = ragged_attention_op(*leaves, cu_q, cu_k, causal, scale)
+    out = ragged_attention_op(*leaves, cu_q, cu_k, causal, scale, **variants)
     out.backward(go)
     return out.detach(), *[x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
 
 
-def ragged_attention_op(q, k, v, cu_q, cu_k, causal, scale):
-    return ragged_compile.ragged_attention(q, k, v, cu_q, cu_k, causal=causal, scale=scale)
+def ragged_attention_op(q, k, v, cu_q, cu_k, causal, scale, **variants):
+    return ragged_compile.ragged_attention(q, k, v, cu_q, cu_k, causal=causal, scale=scale, **variants)
 
 
-def _reference(q, k, v, go, cu_q, cu_k, causal, scale):
-    out = reference_attention(q, k, v, cu_q, cu_k, causal, scale)
-    return out, *reference_attention_backward(go, q, k, v, cu_q, cu_k, causal, scale)
+def _reference(q, k, v, go, cu_q, cu_k, causal, scale, **variants):
+    out = reference_attention(q, k, v, cu_q, cu_k, causal, scale, **variants)
+    return out, *reference_attention_backward(go, q, k, v, cu_q, cu_k, causal, scale, **variants)[:3]
 
 
 KERNELS = {"op (CPU kernel)": _op, "reference": _reference}
@@ -42,7 +44,7 @@ def _bits(x):
     return x.contiguous().view(_INT[x.dtype])
 
 
-def _cases(dtypes):
+def _cases(dtypes, variants=False):
     return attention_cases(
         dtypes=dtypes,
         head_dims=(8, 16, 72),
@@ -51,12 +53,22 @@ def _cases(dtypes):
         max_len=40,
         max_elements=1 << 13,
         max_tiny_segments=300,
+        window_size=variants,
+        softcap=variants,
+        sinks=variants,
     )
 
 
 @settings(max_examples=scaled_examples(0.2, minimum=20))
 @given(case=_cases((torch.float32, torch.bfloat16, torch.float16)), data=st.data())
 def test_poison_one_segment(case, data):
+    _check_isolation(case, data, KERNELS, "cpu")
+
+
+@settings(max_examples=scaled_examples(0.2, minimum=20))
+@given(case=_cases((torch.float32, torch.bfloat16), variants=True), data=st.data())
+def test_poison_one_segment_with_variants(case, data):
+    """Windows (band pieces on the CPU kernel), softcap (the reference there) and sinks."""
     _check_isolation(case, data, KERNELS, "cpu")
 
 
@@ -96,9 +108,12 @@ def _check_isolation(case, data, kernels, device):
     others_k = torch.ones(k.shape[0], dtype=torch.bool, device=device)
     others_k[cu_k[seg] : cu_k[seg + 1]] = False
     scale = case.effective_scale
+    variants = case.variants
+    if case.sinks:
+        variants["sinks"] = case.sink_logits(device, q.dtype)
     for name, kernel in kernels.items():
-        a = kernel(clean["q"], clean["k"], clean["v"], clean["go"], cu_q, cu_k, case.causal, scale)
-        b = kernel(dirty["q"], dirty["k"], dirty["v"], dirty["go"], cu_q, cu_k, case.causal, scale)
+        a = kernel(clean["q"], clean["k"], clean["v"], clean["go"], cu_q, cu_k, case.causal, scale, **variants)
+        b = kernel(dirty["q"], dirty["k"], dirty["v"], dirty["go"], cu_q, cu_k, case.causal, scale, **variants)
         for label, x, y, rows in zip(("out", "dq", "dk", "dv"), a, b, (others_q, others_q, others_k, others_k)):
             assert torch.equal(_bits(x[rows]), _bits(y[rows])), (
                 f"{name}: {poison} in {which}[{row}, {head}, {col}] (segment {seg}) "

@@ -551,3 +551,18 @@ def test_cuda_variants_equal_the_oracle(dtype, variant, caplog):
             for g, w in zip(got, want):
                 torch.testing.assert_close(g.double().cpu(), w, rtol=5 * tol, atol=5 * tol)
     assert "reference kernel" in caplog.text
+
+
+@pytest.mark.parametrize("variant", [
+    dict(window_size=(5, -1), causal=True), dict(window_size=(3, 2)), dict(softcap=2.0, window_size=(-1, 4)),
+    dict(sinks=True, window_size=(7, 7)),
+])
+def test_segments_stay_independent_under_variants(variant):
+    sinks = torch.randn(4)
+    kw = {**variant, "sinks": sinks} if variant.get("sinks") else variant
+
+    def fn(x, c):
+        return rc.ragged_attention(x[:, :4], x[:, 4:6], x[:, 6:], c, **kw)
+
+    x = torch.randn(70 + 5 + 40 + 1, 8, 16)
+    testing.check_segment_independence(fn, x, cu([70, 5, 40, 1]))

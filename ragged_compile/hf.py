@@ -17,16 +17,29 @@ What runs on ``ragged_compile::ragged_attention`` (one call per layer):
   or ``position_ids`` restarts when there is no mask;
 * cross-attention with a key padding mask; decoding with a KV cache (our causal
   is bottom-right aligned, which is what a cache needs);
-* vision/audio towers with ``cu_seqlens`` (see hf_towers.py).
+* vision/audio towers with ``cu_seqlens`` (see hf_towers.py);
+* the variants the models pass: ``sliding_window`` (Mistral, Phi3, Qwen2 with
+  ``use_sliding_window``, Gemma2/3 and gpt-oss sliding layers: ``(W - 1, 0)``;
+  ModernBERT's local layers, bidirectional: ``(W - 1, W - 1)``), ``softcap``
+  (Gemma2's ``attn_logit_softcapping``: the call's ``softcap``, which is what
+  the model's own eager path applies) and ``s_aux`` (gpt-oss' sinks, with their
+  gradient). On CUDA, where the op would run its reference kernel for a
+  variant (select.py), the call takes the model's own path instead.
 
-Everything else runs transformers' stock SDPA on the same call, logged once per
-reason at WARNING on the "ragged_compile" logger (see :data:`FALLBACKS`).
+Everything else runs the model's own reference path on the same call, its
+module's ``eager_attention_forward`` (which takes every argument the call
+carries: softcap, sinks, dropout, attention weights), never transformers' SDPA
+function, which drops some; logged once per reason at WARNING on the
+"ragged_compile" logger (see :data:`FALLBACKS`). Model classes that are not on
+transformers' attention interface (Falcon, MPNet, DeBERTa-v2) keep their own
+attention when our name is set, said once at WARNING naming the class.
 
 ``import ragged_compile`` does not import transformers; this module does.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
@@ -34,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from . import hf_towers
-from .backends.select import unsupported_reason
+from .backends.select import WINDOW, unsupported_reason, variant
 from .logs import warn_once
 from .ops import ragged_attention
 
@@ -42,23 +55,24 @@ __all__ = ["register", "attention_forward", "mask_function", "FALLBACKS", "SUPPO
 
 SUPPORTED_VERSIONS = ">=5.0,<6"
 
-# Why a call runs stock SDPA instead of our op: each reason the code emits, once.
+# Why a call runs the model's own attention instead of our op: each reason the code
+# emits, once.
 DROPOUT = "dropout in training"
-SOFTCAP = "softcap"
-SINKS = "attention sinks"
 POSITION_BIAS = "position_bias"
-SHORT_WINDOW = "sliding window shorter than a sequence"
+WINDOW_LAYOUT = "sliding window on a non-causal call with more keys than queries"
 NOT_RAGGED = "non-ragged attention mask"
 COMPILED_4D_MASK = "4-D mask under torch.compile (checked for a ragged pattern only in eager)"
 OUTPUT_ATTENTIONS = "output_attentions"
 HEAD_DIMS_DIFFER = "value head dim differs from query head dim"
 HEADS_NOT_GROUPED = "query heads are not a multiple of key/value heads"
-UNSUPPORTED = "dtype / head dim our op does not take on this device"
+UNSUPPORTED = "dtype / head dim / variant our op does not take fast on this device"
+# Not a call's reason: a class whose attention never calls ours (said when our name is set).
+OFF_INTERFACE = "model class not on transformers' attention interface"
 
 # The README's table of what falls back.
 FALLBACKS = (
-    DROPOUT, SOFTCAP, SINKS, POSITION_BIAS, SHORT_WINDOW, NOT_RAGGED, COMPILED_4D_MASK,
-    OUTPUT_ATTENTIONS, HEAD_DIMS_DIFFER, HEADS_NOT_GROUPED, UNSUPPORTED,
+    DROPOUT, POSITION_BIAS, WINDOW_LAYOUT, NOT_RAGGED, COMPILED_4D_MASK, OUTPUT_ATTENTIONS,
+    HEAD_DIMS_DIFFER, HEADS_NOT_GROUPED, UNSUPPORTED, OFF_INTERFACE,
 )
 
 _registered: set[str] = set()
@@ -96,7 +110,65 @@ def register(name: str = "ragged") -> str:
         AttentionMaskInterface.register(name, mask_function)
         hf_towers.install(name)
         _registered.add(name)
+        _install_interface_check()
     return name
+
+
+# -- classes off the attention interface ---------------------------------------------
+
+
+def _on_interface(cls) -> bool:
+    """Whether a model class calls transformers' attention interface (transformers'
+    own test, which set_attn_implementation uses: its attention modules call
+    ``ALL_ATTENTION_FUNCTIONS.get_interface``)."""
+    try:
+        return bool(cls._can_set_attn_implementation())
+    except Exception:  # noqa: BLE001 - a class transformers cannot read: say so
+        return False
+
+
+def _check_class(model, implementation) -> None:
+    if isinstance(implementation, dict):
+        implementation = implementation.get("")
+    if implementation not in _registered:
+        return
+    cls = type(model)
+    if not _on_interface(cls):
+        warn_once(
+            f"hf: {cls.__name__} is a {OFF_INTERFACE} (its attention does not call ALL_ATTENTION_FUNCTIONS): "
+            f"it keeps its own attention implementation, and ragged_compile's op does not run in it"
+        )
+
+
+def _install_interface_check() -> None:
+    """Say, when one of our names is set on a class off the interface, that the class
+    keeps its own attention: from_config / from_pretrained (the model's __init__
+    checks its implementation) and set_attn_implementation (on it and its
+    sub-models), the same WARNING."""
+    from transformers import PreTrainedModel
+
+    check = PreTrainedModel._check_and_adjust_attn_implementation
+    if getattr(check, "_ragged_compile", False):
+        return
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        result = check(self, attn_implementation, *args, **kwargs)
+        _check_class(self, attn_implementation)
+        return result
+
+    set_impl = PreTrainedModel.set_attn_implementation
+
+    def set_attn_implementation(self, attn_implementation, *args, **kwargs):
+        result = set_impl(self, attn_implementation, *args, **kwargs)
+        for module in self.modules():
+            if isinstance(module, PreTrainedModel):
+                _check_class(module, attn_implementation)
+        return result
+
+    for new, old in ((_check_and_adjust_attn_implementation, check), (set_attn_implementation, set_impl)):
+        new.__wrapped__, new.__doc__, new._ragged_compile = old, old.__doc__, True
+    PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
+    PreTrainedModel.set_attn_implementation = set_attn_implementation
 
 
 # -- mask function ----------------------------------------------------------------
@@ -343,7 +415,7 @@ _cache: dict[int, tuple] = {}
 def _cached(src, extra, build):
     if src is None or torch.compiler.is_compiling():
         return build()
-    key = id(src)
+    key = (id(src), extra)  # one entry per layout of a mask (layers of two kinds alternate)
     hit = _cache.get(key)
     # Inference tensors have no version counter: known by identity alone.
     version = src._version if isinstance(src, torch.Tensor) and not src.is_inference() else -1
@@ -371,11 +443,11 @@ def _plain_cached(b, sq, sk, device) -> _Segments:
 # -- fallback -------------------------------------------------------------------
 
 def _log_once(reason: str, module) -> None:
-    warn_once(f"hf: {reason}: {type(module).__name__} runs transformers' stock SDPA for these calls")
+    warn_once(f"hf: {reason}: {type(module).__name__} runs the model's own (eager) attention for these calls")
 
 
 def _dense_from_layout(layout: _Segments, b, sq, sk, causal, window, device) -> torch.Tensor:
-    """[B, 1, Sq, Sk] bool mask of a layout (for stock SDPA), rows without keys all True."""
+    """[B, 1, Sq, Sk] bool mask of a layout, rows without keys all True."""
     def seg_pos(cu, t):
         idx = torch.arange(t, device=device)
         seg = torch.searchsorted(cu[1:].to(torch.int64), idx, right=True)
@@ -398,15 +470,60 @@ def _dense_from_layout(layout: _Segments, b, sq, sk, causal, window, device) -> 
     return (allowed | empty)[:, None], empty
 
 
-def _stock(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs, reason, layout=None):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def _eager_of(module):
+    """The model's own reference attention: ``eager_attention_forward`` of the module
+    that defines the attention class (what transformers runs for "eager"), else ours,
+    which takes every argument transformers' attention calls carry."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    return fn if callable(fn) else _eager_attention
 
+
+def _eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
+                     s_aux=None, sinks=None, position_bias=None, **kwargs):
+    """Dense attention with every argument the attention interface passes: GQA, an
+    additive mask, scaling before the soft-cap (Gemma2), a position bias (T5),
+    sinks in the denominator (gpt-oss), dropout in training, the weights returned.
+    For attention modules whose module defines no ``eager_attention_forward``."""
+    grp = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(grp, dim=1)
+    v = value.repeat_interleave(grp, dim=1)
+    scores = torch.matmul(query, k.transpose(2, 3)) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if position_bias is not None:
+        scores = scores + position_bias
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, : k.shape[-2]]
+    sinks = s_aux if s_aux is not None else sinks
+    if sinks is not None:
+        col = sinks.reshape(1, -1, 1, 1).to(scores.dtype).expand(scores.shape[0], -1, scores.shape[2], 1)
+        weights = torch.softmax(torch.cat([scores, col], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    else:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    weights = F.dropout(weights.to(query.dtype), p=dropout, training=module.training)
+    return torch.matmul(weights, v).transpose(1, 2).contiguous(), weights
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool (allowed) or additive mask as the additive float mask eager code adds."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def _stock(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs, reason, layout=None):
+    """The call on the model's own eager attention, with the mask it would have built
+    (padding, causal, window, packing), rows that see no key zero as on ours."""
     _log_once(reason, module)
     b, _, sq, _ = query.shape
     sk = key.shape[2]
     empty = None
+    window = kwargs.get("sliding_window")
     if attention_mask is not None and attention_mask.dim() == 4:
-        mask = attention_mask
+        mask = attention_mask  # transformers built it: the window is in it
+        if mask.shape[1] == 1:
+            allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+            empty = ~allowed[:, 0].any(-1, keepdim=True).expand(b, sq, 1)
     elif attention_mask is not None and attention_mask.dim() == 2:
         valid = attention_mask.to(torch.bool)
         j = torch.arange(sk, device=query.device)
@@ -414,22 +531,21 @@ def _stock(module, query, key, value, attention_mask, dropout, scaling, causal, 
         if causal:
             r = torch.arange(sq, device=query.device) + (sk - sq)
             mask = mask & (j[None, None, :] <= r[None, :, None])
-        window = kwargs.get("sliding_window")
         if window is not None:
             r = torch.arange(sq, device=query.device) + (sk - sq)
             dist = r[:, None] - j[None, :]
             mask = mask & ((dist < window) if causal else (dist.abs() < window))
         empty = ~mask.any(-1, keepdim=True)
         mask = (mask | empty)[:, None]
-    elif layout is not None and not (layout.plain and sq == sk and kwargs.get("sliding_window") is None):
-        mask, empty = _dense_from_layout(layout, b, sq, sk, causal, kwargs.get("sliding_window"), query.device)
+    elif layout is not None:
+        mask, empty = _dense_from_layout(layout, b, sq, sk, causal, window, query.device)
     else:
-        mask = None
-    kw = {k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "sliding_window", "is_causal")}
-    out, weights = sdpa_attention_forward(
-        module, query, key, value, mask, dropout=dropout, scaling=scaling,
-        is_causal=causal if mask is None else False, **kw,
-    )
+        mask = attention_mask
+    kw = {k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "is_causal")}
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    mask = None if mask is None else _additive(mask, query.dtype)
+    out, weights = _eager_of(module)(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kw)
     if empty is not None:
         out = out.masked_fill(empty[:, :, :, None], 0)  # rows that see no key: zeros, as ours
     return out, weights
@@ -438,13 +554,15 @@ def _stock(module, query, key, value, attention_mask, dropout, scaling, causal, 
 # -- the attention function ---------------------------------------------------------
 
 
+def _variants(kwargs) -> tuple[float, torch.Tensor | None]:
+    """The call's softcap (0: none) and sinks (gpt-oss passes its sinks as ``s_aux``)."""
+    sinks = kwargs.get("s_aux")
+    return float(kwargs.get("softcap") or 0.0), kwargs.get("sinks") if sinks is None else sinks
+
+
 def _reason(module, query, key, value, dropout, kwargs) -> str | None:
     if dropout and dropout > 0 and module.training:
         return DROPOUT
-    if kwargs.get("softcap") is not None:
-        return SOFTCAP
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        return SINKS
     if kwargs.get("position_bias") is not None:
         return POSITION_BIAS
     if kwargs.get("output_attentions"):
@@ -453,7 +571,8 @@ def _reason(module, query, key, value, dropout, kwargs) -> str | None:
         return HEAD_DIMS_DIFFER
     if query.shape[1] % key.shape[1] != 0:
         return HEADS_NOT_GROUPED
-    why = unsupported_reason(query.device, query.dtype, query.shape[-1])
+    softcap, sinks = _variants(kwargs)
+    why = unsupported_reason(query.device, query.dtype, query.shape[-1], variant=variant(False, softcap=softcap, sinks=sinks))
     if why is not None:
         return f"{UNSUPPORTED} ({why})"
     return None
@@ -501,21 +620,27 @@ def attention_forward(
     if reason is not None:
         return _stock(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs, reason, layout)
 
+    window = kwargs.get("sliding_window")
     if layout is not None:
         pass  # packed, or no mask
     elif attention_mask.dim() == 2:
+        # A window counts in key positions: non-causal, queries take the keys' layout
+        # (padded query rows get no key: zeros), which needs as many queries as keys.
+        aligned = causal or (window is not None and sq == sk)
         if attention_mask.shape != (b, sk):
             reason = NOT_RAGGED
+        elif window is not None and not causal and sq != sk:
+            reason = WINDOW_LAYOUT
         else:
             valid = attention_mask.to(torch.bool)
 
             def build():
                 if compiling:
-                    _assert_padded(valid, sq, causal)
-                    return _padded_layout(valid, sq, causal)
-                return _read_padded_layout(valid, sq, causal)
+                    _assert_padded(valid, sq, aligned)
+                    return _padded_layout(valid, sq, aligned)
+                return _read_padded_layout(valid, sq, aligned)
 
-            layout = _cached(attention_mask, (sq, causal), build)
+            layout = _cached(attention_mask, (sq, aligned), build)
             if not layout.ragged:
                 reason, layout = NOT_RAGGED, None
     elif attention_mask.dim() == 4 and not compiling:
@@ -524,17 +649,24 @@ def attention_forward(
             return _Segments(None, None, ragged=False) if valid is None else _padded_layout(valid, sq, causal)
 
         layout = _cached(attention_mask, (sq, sk, causal), build4)
+        window = None  # transformers built the mask with its window: a pattern that passes holds it
         if not layout.ragged:
             reason, layout = NOT_RAGGED, None
     elif attention_mask.dim() == 4:
         reason = COMPILED_4D_MASK
     else:
         reason = NOT_RAGGED
-    if reason is None:
-        window = kwargs.get("sliding_window")
-        if window is not None and not _window_covers(layout, window, compiling):
-            return _stock(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs,
-                          SHORT_WINDOW, layout)
+    window_size = (-1, -1)
+    if reason is None and window is not None:
+        # transformers' sliding_window W: a key within W - 1 positions (both sides if
+        # bidirectional: ModernBERT passes half its local_attention + 1).
+        window_size = (window - 1, 0 if causal else window - 1)
+        why = unsupported_reason(query.device, query.dtype, d, variant=(WINDOW,))
+        if why is not None:  # a CUDA window runs the reference: only where it changes nothing
+            if _window_covers(layout, window, compiling):
+                window_size = (-1, -1)
+            else:
+                reason = f"{UNSUPPORTED} ({why})"
     if reason is not None:
         return _stock(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs, reason, layout)
 
@@ -546,7 +678,9 @@ def attention_forward(
         # and unmodified (its implicit step: address and version); inference tensors
         # have no version. A plain copy, once per forward where the layout is cached.
         layout = _cached(layout.cu_q, ("plain", id(layout.cu_k)), lambda: _plain_copy(layout))
-    out = ragged_attention(q, k, v, layout.cu_q, layout.cu_k, causal=causal, scale=scaling)
+    softcap, sinks = _variants(kwargs)
+    out = ragged_attention(q, k, v, layout.cu_q, layout.cu_k, causal=causal, scale=scaling, window_size=window_size,
+                           softcap=softcap, sinks=sinks)
     return out.view(b, sq, hq, d), None
 
 

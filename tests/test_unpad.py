@@ -598,7 +598,7 @@ def test_modernbert_falls_back_where_the_window_is_shorter(caplog):
     model = build("modernbert", "Model")
     kw = inputs("modernbert", [12, 3, 5], 12)
     rows = fallback(model, lambda m: m(**kw), "sliding window shorter than a sequence", caplog)
-    assert rows == [36]  # the padded call: global layer on our op, local layer on stock SDPA (hf.py)
+    assert rows == [36, 36]  # the padded call: both layers on our op (the local one with its window, hf.py)
 
 
 def test_modernbert_mean_pooling_classifier_reads_the_mask():

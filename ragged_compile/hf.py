@@ -32,7 +32,9 @@ carries: softcap, sinks, dropout, attention weights), never transformers' SDPA
 function, which drops some; logged once per reason at WARNING on the
 "ragged_compile" logger (see :data:`FALLBACKS`). Model classes that are not on
 transformers' attention interface (Falcon, MPNet, DeBERTa-v2) keep their own
-attention when our name is set, said once at WARNING naming the class.
+attention when our name is set (from_config, from_pretrained: the implementation
+transformers picks by default; set_attn_implementation: the one they have), said
+once at WARNING naming the class.
 
 ``import ragged_compile`` does not import transformers; this module does.
 """
@@ -127,24 +129,25 @@ def _on_interface(cls) -> bool:
         return False
 
 
-def _check_class(model, implementation) -> None:
+def _ours_requested(implementation) -> bool:
     if isinstance(implementation, dict):
         implementation = implementation.get("")
-    if implementation not in _registered:
-        return
-    cls = type(model)
-    if not _on_interface(cls):
-        warn_once(
-            f"hf: {cls.__name__} is a {OFF_INTERFACE} (its attention does not call ALL_ATTENTION_FUNCTIONS): "
-            f"it keeps its own attention implementation, and ragged_compile's op does not run in it"
-        )
+    return implementation in _registered
+
+
+def _warn_off_interface(cls, kept) -> None:
+    warn_once(
+        f"hf: {cls.__name__} is a {OFF_INTERFACE} (its attention does not call ALL_ATTENTION_FUNCTIONS): "
+        f"it keeps its own attention implementation ({kept!r}), and ragged_compile's op does not run in it"
+    )
 
 
 def _install_interface_check() -> None:
-    """Say, when one of our names is set on a class off the interface, that the class
-    keeps its own attention: from_config / from_pretrained (the model's __init__
-    checks its implementation) and set_attn_implementation (on it and its
-    sub-models), the same WARNING."""
+    """A class off the interface keeps its own attention when one of our names is set,
+    said once at WARNING naming the class, the same way for from_config /
+    from_pretrained (the model's __init__ checks its implementation: it gets the
+    one transformers would pick by default) and set_attn_implementation (which
+    transformers already refuses for such classes, on the model and its sub-models)."""
     from transformers import PreTrainedModel
 
     check = PreTrainedModel._check_and_adjust_attn_implementation
@@ -152,17 +155,20 @@ def _install_interface_check() -> None:
         return
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
-        result = check(self, attn_implementation, *args, **kwargs)
-        _check_class(self, attn_implementation)
-        return result
+        if _ours_requested(attn_implementation) and not _on_interface(type(self)):
+            kept = check(self, None, *args, **kwargs)  # Falcon would fail to build, MPNet to run
+            _warn_off_interface(type(self), kept)
+            return kept
+        return check(self, attn_implementation, *args, **kwargs)
 
     set_impl = PreTrainedModel.set_attn_implementation
 
     def set_attn_implementation(self, attn_implementation, *args, **kwargs):
         result = set_impl(self, attn_implementation, *args, **kwargs)
-        for module in self.modules():
-            if isinstance(module, PreTrainedModel):
-                _check_class(module, attn_implementation)
+        if _ours_requested(attn_implementation):
+            for module in self.modules():
+                if isinstance(module, PreTrainedModel) and not _on_interface(type(module)):
+                    _warn_off_interface(type(module), module.config._attn_implementation)
         return result
 
     for new, old in ((_check_and_adjust_attn_implementation, check), (set_attn_implementation, set_impl)):

@@ -339,11 +339,19 @@ def _ragged_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # One opaque op so AOTAutograd traces the backward graph without reading
     # offsets: the fused CPU kernel on CPU, the reference's exact gradients elsewhere.
+    args = (grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    return _exact_backward(*args, window_left, window_right, softcap, sinks)
+
+
+def _exact_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right, softcap,
+                    sinks, out=None, lse=None):
+    """(dq, dk, dv, dsinks) from the CPU kernel where it ran the forward (reusing its
+    ``out`` and ``lse`` [Hq, Tq] where given), else from the reference."""
     variant = select.variant(causal, (window_left, window_right), softcap, sinks)
-    if q.device.type == "cpu" and select.forward_kernel(q.device, q.dtype, q.shape[-1], variant) == "cpu":
+    if select.forward_kernel(q.device, q.dtype, q.shape[-1], variant) == "cpu":
         grads = cpu_kernel.cpu_attention_backward(
-            grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
-            window_size=(window_left, window_right), sinks=sinks,
+            grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, out=out,
+            lse=None if lse is None else lse.t(), window_size=(window_left, window_right), sinks=sinks,
         )
     else:
         grads = reference_attention_backward(
@@ -457,18 +465,8 @@ def _ragged_attention_lse_backward(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    variant = select.variant(causal, (window_left, window_right), softcap, sinks)
-    if select.forward_kernel(q.device, q.dtype, q.shape[-1], variant) == "cpu":
-        grads = cpu_kernel.cpu_attention_backward(
-            grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, out=out, lse=lse.t(),
-            window_size=(window_left, window_right), sinks=sinks,
-        )
-    else:
-        grads = reference_attention_backward(
-            grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
-            **_variants(window_left, window_right, softcap, sinks),
-        )
-    return _with_dsinks(grads, q)
+    args = (grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    return _exact_backward(*args, window_left, window_right, softcap, sinks, out=out, lse=lse)
 
 
 @_ragged_attention_lse_backward.register_fake
@@ -490,12 +488,9 @@ def _ragged_attention_lse_backward_cuda(
     softcap=0.0, sinks=None,
 ):
     variant = select.variant(causal, (window_left, window_right), softcap, sinks)
-    if select.cuda_runs_reference(q.device, q.dtype, q.shape[-1], variant):
-        grads = reference_attention_backward(
-            grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
-            **_variants(window_left, window_right, softcap, sinks),
-        )
-        return _with_dsinks(grads, q)
+    if select.cuda_runs_reference(q.device, q.dtype, q.shape[-1], variant):  # select says "reference" there
+        args = (grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+        return _exact_backward(*args, window_left, window_right, softcap, sinks)
     max_q, max_k = max_lens.tolist()  # a CPU tensor: no sync
     grads = _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale)
     return _with_dsinks(grads, q)

@@ -89,6 +89,35 @@ def test_head_sharded_attention_runs_shard_local(fake_mesh, op, hq, hkv):
         torch.testing.assert_close(t.grad, ref.grad)
 
 
+@pytest.mark.parametrize("op", ["ragged_attention", "ragged_attention_lse"])
+def test_sinks_shard_with_heads(fake_mesh, op):
+    """A window and sinks: the sinks split with the query heads, d(sinks) too."""
+    import ragged_compile.distributed  # noqa: F401
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    q, k, v, cq, ck = _layout(4, 2)
+    sinks = 2 * torch.randn(4, generator=torch.Generator().manual_seed(1))
+    local = [_local_heads(t).clone().requires_grad_() for t in (q, k, v)]
+    s_local = sinks[:2].clone().requires_grad_()  # rank 0's heads
+    dt = [DTensor.from_local(t, fake_mesh, [Shard(1)], run_check=False) for t in local]
+    ds = DTensor.from_local(s_local, fake_mesh, [Shard(0)], run_check=False)
+    cu_q, cu_k = (DTensor.from_local(c, fake_mesh, [Replicate()], run_check=False) for c in (cq, ck))
+    grad = torch.randn(q.shape[0], 2, q.shape[2])
+    with CommDebugMode() as comms:
+        res = getattr(torch.ops.ragged_compile, op)(*dt, cu_q, cu_k, True, 0.25, 2, -1, 0.0, ds)
+        out = res[0] if isinstance(res, tuple) else res
+        assert out.placements == (Shard(1),)
+        out.to_local().backward(grad)
+    assert comms.get_total_counts() == 0, comms.get_comm_counts()
+    ql, kl, vl, sl = (t.detach().clone().requires_grad_() for t in (local[0], local[1], local[2], s_local))
+    want = rc.reference_attention(ql, kl, vl, cq, ck, True, 0.25, window_size=(2, -1), sinks=sl)
+    want.backward(grad)
+    torch.testing.assert_close(out.to_local(), want)
+    for t, ref in zip(local + [s_local], (ql, kl, vl, sl)):
+        torch.testing.assert_close(t.grad, ref.grad)
+
+
 def test_uneven_kv_heads_are_not_split(fake_mesh):
     """One k/v head over two ranks: splitting the query heads would pair rank 1's
     queries with the wrong k/v head, so the rule replicates instead."""

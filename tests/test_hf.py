@@ -11,30 +11,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
+from _hf_common import OURS, Count, pad_mask  # noqa: E402
 from ragged_compile import hf, hf_towers, logs  # noqa: E402
 
 NAME = hf.register()
 
 
-OURS = (torch.ops.ragged_compile.ragged_attention.default, torch.ops.ragged_compile.ragged_attention_lse.default)
 
 
 def _is_ours(target) -> bool:
     return target in OURS or any(target is op.overloadpacket for op in OURS)
-
-
-class Count(TorchDispatchMode):
-    """Counts our op's calls below autograd: the inference op, or (with grad) the
-    training op that also saves the LSE."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in OURS:
-            self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(autouse=True)
@@ -64,16 +50,6 @@ def close(a, b, rows=None, tol=2e-5):
     if rows is not None:
         a, b = a[rows], b[rows]
     torch.testing.assert_close(b, a, atol=tol, rtol=tol)
-
-
-def pad_mask(lengths, s, left=False):
-    m = torch.zeros(len(lengths), s, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        if left:
-            m[i, s - n:] = 1
-        else:
-            m[i, :n] = 1
-    return m
 
 
 # -- API -------------------------------------------------------------------------------

@@ -10,26 +10,14 @@ import logging
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
+from _hf_common import Count, pad_mask  # noqa: E402
 from ragged_compile import hf, logs  # noqa: E402
 
 NAME = hf.register()
-OURS = (torch.ops.ragged_compile.ragged_attention.default, torch.ops.ragged_compile.ragged_attention_lse.default)
 TOL = 5e-5
-
-
-class Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in OURS:
-            self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(autouse=True)
@@ -81,16 +69,6 @@ def _family(kind: str, window: int, seed: int = 0):
 
 DECODERS = ["mistral", "phi3", "qwen2", "gemma2", "gemma3", "gpt_oss"]
 FAMILIES = DECODERS + ["modernbert"]
-
-
-def pad_mask(lengths, s, left=False):
-    m = torch.zeros(len(lengths), s, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        if left:
-            m[i, s - n:] = 1
-        else:
-            m[i, :n] = 1
-    return m
 
 
 def _out(model, **kw):

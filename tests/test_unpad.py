@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
+from _hf_common import pad_mask  # noqa: E402
 from ragged_compile import hf, hf_unpad, logs  # noqa: E402
 
 NAME = hf.register()
@@ -35,15 +36,6 @@ class Tokens(TorchDispatchMode):
 def _fresh_warnings():
     logs._seen.clear()
 
-
-def pad_mask(lengths, s, left=False):
-    m = torch.zeros(len(lengths), s, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        if left:
-            m[i, s - n:] = 1
-        else:
-            m[i, :n] = 1
-    return m
 
 
 # -- models -----------------------------------------------------------------------------

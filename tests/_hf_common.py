@@ -3,6 +3,8 @@
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import ragged_compile  # noqa: F401  (registers the ops)
+
 OURS = (torch.ops.ragged_compile.ragged_attention.default, torch.ops.ragged_compile.ragged_attention_lse.default)
 
 

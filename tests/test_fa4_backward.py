@@ -226,8 +226,9 @@ def test_a_failing_fa4_kernel_falls_back_to_fa2_once_with_a_warning(monkeypatch,
     args = (go, q, k, v, q, torch.zeros(4, 10), cq, ck, torch.tensor([6, 6]), False, 0.3)
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
     with caplog.at_level("WARNING", logger="ragged_compile"):
-        assert ops._ragged_attention_lse_backward_cuda(*args) == ("dq", "dk", "dv")
-        assert ops._ragged_attention_lse_backward_cuda(*args) == ("dq", "dk", "dv")
+        for _ in range(2):
+            *grads, dsinks = ops._ragged_attention_lse_backward_cuda(*args)
+            assert grads == ["dq", "dk", "dv"] and dsinks.numel() == 0  # no sinks: an empty dsinks
     assert calls == ["fa4", "fa2", "fa2"]
     warned = [r.getMessage() for r in caplog.records if "DSL compile error" in r.getMessage()]
     assert len(warned) == 1 and "FlashAttention-2" in warned[0]

@@ -23,6 +23,8 @@ import torch
 from . import config
 from .backends import flashinfer as fi
 from .backends import select
+from .backends.cpu import cpu_attention
+from .reference import reference_attention
 from .logs import warn_once
 from .steps import (
     IMPLICIT_LAYOUTS, HostLayout, ImplicitStep, OffsetsCache, PlannedStep, Step, activate, current_step, tensor_version,
@@ -66,7 +68,7 @@ class Runtime:
 
     ``stats`` counts ``plans``, ``syncs`` (device-to-host reads of offsets),
     ``waits`` (a plan that had to wait for an earlier plan's copy),
-    ``flashinfer`` and ``reference`` calls.
+    ``flashinfer``, ``reference`` and (a CPU runtime's) ``cpu`` calls.
 
     One runtime may serve many threads: steps are per thread, and a wrapper is
     planned by one step at a time. Wrappers used on different CUDA streams get
@@ -198,6 +200,13 @@ class Runtime:
                 f"q is on {q.device} but this runtime serves {self.device}; use "
                 f"rc.Runtime({str(q.device)!r}) for it"
             )
+        if q.device.type != "cuda":
+            # A CPU runtime plans nothing: the op's CPU kernel (or, for float64, the reference) runs.
+            kernel = select.forward_kernel(q.device, q.dtype, q.shape[-1])
+            self.count(kernel)
+            self.last_backend = kernel
+            run = cpu_attention if kernel == "cpu" else reference_attention
+            return run(q, k, v, cu_q, cu_k, causal, scale)
         step = self._step_for(cu_q, cu_k)
         if step is None:  # offsets that cannot be checked for edits: a step per call
             with self.step():

@@ -70,6 +70,8 @@ def _plainly_valid(q, k, v, cu_q, cu_k, scale) -> bool:
     """The common valid call, recognised in a few microseconds: plain tensors (no
     subclass, no fake or symbolic sizes) that pass every check of
     :func:`check_inputs`. Anything else takes the full checks, which say what is wrong."""
+    if torch.compiler.is_compiling():
+        return False  # symbolic sizes and scales: the full checks trace, these would guard
     if not (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
             and type(cu_q) is _Tensor and type(cu_k) is _Tensor) or q.is_nested or k.is_nested or v.is_nested:
         return False

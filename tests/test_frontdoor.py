@@ -22,7 +22,7 @@ from torch import nn
 from torch._inductor import config as inductor_config
 
 import ragged_compile
-from ragged_compile import compiler, njt as rc_njt, ops as rc_ops, passes
+from ragged_compile import compiler, logs, njt as rc_njt, ops as rc_ops, passes
 
 E, H = 32, 4
 counters = torch._dynamo.utils.counters
@@ -173,7 +173,7 @@ def test_plain_compile_inside_enable_keeps_stock_graphs(ours, caplog, monkeypatc
     (warned), so its cached code runs the same outside. On CPU stock NJT SDPA
     cannot be traced, so the call graph-breaks and runs eagerly, inside enable()
     on our op like any eager code."""
-    monkeypatch.setattr(rc_njt, "_seen", set())
+    monkeypatch.setattr(logs, "_seen", set())
     x = njt([3, 5, 2], E)
     with torch.no_grad(), caplog.at_level(logging.WARNING, "ragged_compile"):
         plain = torch.compile(MHA(), backend="aot_eager")
@@ -403,7 +403,7 @@ class DropoutLayer(nn.Module):
 
 
 def test_dropout_training_compiles_fullgraph_and_trains(caplog, monkeypatch):
-    monkeypatch.setattr(rc_njt, "_seen", set())
+    monkeypatch.setattr(logs, "_seen", set())
     layer = DropoutLayer().train()
     compiled = ragged_compile.compile(layer, fullgraph=True, backend="aot_eager")
     x = njt([3, 6, 1], E)

@@ -286,6 +286,8 @@ def _stock_reason(query, key, value, attn_mask, is_causal, enable_gqa) -> str | 
 # What the latest eager forward on an offsets tensor ran (ours or stock), for
 # activation-checkpoint recomputes: see _eager_decision.
 _FORWARD_RAN = WeakTensorKeyDictionary()
+# The autograd graph task running on this thread, -1 outside a backward pass.
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 def _eager_decision(query) -> bool:
@@ -308,7 +310,7 @@ def _eager_decision(query) -> bool:
     offsets = getattr(query, "_offsets", None)
     if not isinstance(offsets, Tensor):
         return enabled
-    if torch._C._current_graph_task_id() == -1:  # not in a backward: a forward
+    if _graph_task_id() == -1:  # not in a backward: a forward
         _FORWARD_RAN[offsets] = enabled
         return enabled
     return _FORWARD_RAN.get(offsets, enabled)

@@ -294,6 +294,20 @@ def _inputs(c: Call, qf, kf, vf):
     return _gather(qf, c.q, c.B, c.Pq), _gather(kf, c.k, c.B, c.Pk), _gather(vf, c.k, c.B, c.Pk)
 
 
+def _positive_scale(q, scale):
+    """``(q, scale)`` with the same scores and ``scale > 0``.
+
+    The fused kernel applies ``is_causal``'s ``-inf`` before scaling, so a scale
+    <= 0 turns masked scores into +inf or NaN. Negation is exact, so ``(-q, -scale)``
+    gives the same scores bit for bit; scale 0 gives zero scores, as zero q does.
+    """
+    if scale > 0:
+        return q, scale
+    if scale < 0:
+        return -q, -scale
+    return torch.zeros_like(q), 1.0
+
+
 def cpu_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, return_lse=False):
     """Ragged attention on CPU; same contract as the op (arguments assumed valid).
 
@@ -303,6 +317,7 @@ def cpu_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, return_lse
     """
     Tq, Hq, D = q.shape
     p = plan(cu_seqlens_q, cu_seqlens_k, causal, Hq, k.shape[1], D)
+    q, scale = _positive_scale(q, scale)
     qf, kf, vf = _prepare(q), _prepare(k), _prepare(v)
     lse = torch.full((Tq, Hq), math.inf) if return_lse else None
     if len(p.calls) == 1 and p.covered and q.dtype == torch.float32 and not return_lse:
@@ -328,6 +343,8 @@ def cpu_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal
     """
     Tq, Hq, D = q.shape
     p = plan(cu_seqlens_q, cu_seqlens_k, causal, Hq, k.shape[1], D)
+    sign = 1.0 if scale > 0 else -1.0 if scale < 0 else 0.0  # dq of the q _positive_scale gives
+    q, scale = _positive_scale(q, scale)
     qf, kf, vf, gf = _prepare(q), _prepare(k), _prepare(v), _prepare(grad_out)
     if out is not None:
         of, lf = _prepare(out), lse[:, :, None]
@@ -349,4 +366,6 @@ def cpu_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal
         _scatter(dq, gq, c.q)
         _scatter(dk, gk, c.k, accumulate=p.shared_keys)
         _scatter(dv, gv, c.k, accumulate=p.shared_keys)
+    if sign != 1.0:
+        dq.mul_(sign)
     return dq, dk.to(k.dtype), dv.to(v.dtype)

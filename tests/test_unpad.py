@@ -12,6 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 transformers = pytest.importorskip("transformers")
 
 from ragged_compile import hf, hf_unpad, logs  # noqa: E402
+from test_hf import pad_mask  # noqa: E402
+from test_host_reads import HostReads  # noqa: E402  (scalar reads outside our op)
 
 NAME = hf.register()
 OURS = (torch.ops.ragged_compile.ragged_attention.default, torch.ops.ragged_compile.ragged_attention_lse.default)
@@ -34,16 +36,6 @@ class Tokens(TorchDispatchMode):
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
     logs._seen.clear()
-
-
-def pad_mask(lengths, s, left=False):
-    m = torch.zeros(len(lengths), s, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        if left:
-            m[i, s - n:] = 1
-        else:
-            m[i, :n] = 1
-    return m
 
 
 # -- models -----------------------------------------------------------------------------
@@ -779,21 +771,6 @@ def test_cuda_compiled_across_layouts():
             ref = ref_model(**kw, use_cache=False).logits
             valid = kw["attention_mask"].bool()
             torch.testing.assert_close(out[valid].float(), ref[valid].float(), atol=5e-2, rtol=5e-2)
-
-
-class HostReads(TorchDispatchMode):
-    """Scalar reads (item / bool / equal) outside our op, as tests/test_host_reads.py."""
-
-    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
-             torch.ops.aten.is_nonzero.default, torch.ops.aten.item.default}
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func in self.READS
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("family,suffix,left,others", [("bert", "Model", False, 0), ("roberta", "ForMaskedLM", True, 0),

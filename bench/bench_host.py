@@ -171,6 +171,25 @@ def profile_rows(dev, dtype, lens, heads, d, steps=20) -> dict:
                     _sync(dev)
         tables[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
         print(f"== profile {name} ({steps} calls)\n{tables[name]}", flush=True)
+        # torch.profiler sends calls through the dispatcher (so it can see them): the
+        # eager path itself, function by function, is Python's profiler's to show.
+        import cProfile
+        import io
+        import pstats
+
+        with rt.step(lens):
+            grad = torch.enable_grad() if name == "fwd_bwd" else torch.no_grad()
+            with grad:
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(10 * steps):
+                    fn()
+                _sync(dev)
+                pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
+        tables[name + "_python"] = buf.getvalue()
+        print(f"== python profile {name} ({10 * steps} calls)\n{buf.getvalue()}", flush=True)
     return tables
 
 

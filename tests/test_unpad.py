@@ -656,8 +656,8 @@ def test_sentence_transformers_encode(tmp_path, family, pooling):
 
 
 def _cuda_model(family, suffix, **extra):
-    # head dim 64 (FlashInfer's), bf16
-    kw = dict(hidden_size=256, intermediate_size=512, **extra)
+    # head dim 64 (FlashInfer's), bf16; positions for 64 tokens after RoBERTa's padding_idx + 1 offset
+    kw = dict(hidden_size=256, intermediate_size=512, max_position_embeddings=130, **extra)
     if family == "qwen3":
         kw["head_dim"] = 64
     return build(family, suffix, **kw).cuda().bfloat16()

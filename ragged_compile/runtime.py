@@ -279,7 +279,7 @@ class Runtime:
             self.last_backend = hit[2]
             return hit[0]
         backend = select.flashinfer_backend(
-            self.backend, self.device, layout.n, layout.total_k,
+            self.backend, self.device, max(layout.active, 1), layout.active_k,
             hq=hq, hkv=hkv, head_dim=d, causal=causal,
         )
         self.last_backend = backend

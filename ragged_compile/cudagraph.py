@@ -209,7 +209,7 @@ class GraphStep(Step):
         config = (q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale)
         slot = self.entry.slots.get((key, config))
         if slot is None:
-            if torch.cuda.is_current_stream_capturing():
+            if q.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
                     "an attention configuration appeared during CUDA-graph capture that the "
                     "warm-up did not run; the model must run the same layers on every call"

@@ -260,12 +260,13 @@ class GraphOwner:
         for attempt in range(3):
             if self._workspace is None:
                 self._workspace = self.runtime.workspace()
-            wrapper = fi.make_wrapper(
-                self._workspace,
-                backend,
-                qo_indptr_buf=torch.zeros(entries, dtype=torch.int32, device=device),
-                kv_indptr_buf=torch.zeros(entries, dtype=torch.int32, device=device),
-            )
+            with torch.inference_mode(False):  # buffers planned later in and out of inference mode
+                wrapper = fi.make_wrapper(
+                    self._workspace,
+                    backend,
+                    qo_indptr_buf=torch.zeros(entries, dtype=torch.int32, device=device),
+                    kv_indptr_buf=torch.zeros(entries, dtype=torch.int32, device=device),
+                )
             try:
                 fi.plan(wrapper, prime_q, prime_k, hq, hkv, d, dtype, causal, scale, split_kv=split_kv, causal_split=True)
                 break
@@ -276,7 +277,8 @@ class GraphOwner:
                 # Split-KV buffers for the whole bucket: grow this model's workspace
                 # (wrappers made earlier keep theirs) and plan again.
                 self._workspace = torch.empty(2 * need, dtype=torch.uint8, device=device)
-        return _GraphSlot(wrapper, key, config, split_kv)
+        with torch.inference_mode(False):
+            return _GraphSlot(wrapper, key, config, split_kv)
 
     def plan(self, slot: _GraphSlot, qo: torch.Tensor, kv: torch.Tensor) -> None:
         """Plan ``slot`` for host indptrs ``qo``/``kv``, outside any graph: a replay

@@ -158,6 +158,19 @@ def test_positional_arguments_inputs_embeds_and_position_ids():
     assert g.stats["fallbacks"] == 0 and len(g.entries) == 2  # another set of inputs: another entry
 
 
+def test_calls_in_and_out_of_inference_mode():
+    """The first call (which makes the static buffers) under inference mode, later
+    ones outside it and back: buffers written in place either way."""
+    ref, g = both("bert")
+    for i, mode in enumerate((torch.inference_mode, torch.no_grad, torch.enable_grad, torch.inference_mode)):
+        kw = inputs("bert", lengths_for(3, 12, i), 12, seed=i)
+        with mode():
+            out = g(**kw)
+        with torch.no_grad():
+            compare(ref(**kw), out, kw["attention_mask"].bool())
+    assert len(g.entries) == 1 and g.stats["replays"] == 4
+
+
 def test_decoder_returns_no_cache_and_left_padding_keeps_positions():
     ref, g = both("llama", "ForCausalLM")
     kw = inputs("llama", [9, 4, 1, 6], 9, left=True)

@@ -378,7 +378,7 @@ def st_encode_rows(dev, dtype, n, batch, layers, hidden, heads) -> dict:
                                           device=str(dev))
 
         plain, graphed = load(), load()
-    graphed[0].auto_model.forward = hf.graphed(graphed[0].auto_model, [(batch, n) for n in range(32, 513, 32)])
+    graphed[0].auto_model.forward = hf.graphed(graphed[0].auto_model, [(batch, length) for length in range(32, 513, 32)])
 
     def encode(m):
         t0 = time.perf_counter()

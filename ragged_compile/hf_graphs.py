@@ -101,6 +101,7 @@ import threading
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 from . import hf, hf_unpad
@@ -160,12 +161,16 @@ class Recipe(NamedTuple):
 
 
 class _HostMask:
-    """A call's padded mask on the host (``[Bb, Lb]`` bool) and each recipe's offsets."""
+    """A call's mask on the host, as each row's valid run (``start``, ``n``: hf.py's
+    ``_runs``), and each recipe's offsets."""
 
-    def __init__(self, valid: torch.Tensor):
-        self.valid = valid
-        self.start, self.n = hf._runs(valid)
+    def __init__(self, start: torch.Tensor, n: torch.Tensor):
+        self.start, self.n = start, n
         self._offsets: dict[Recipe, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def of(cls, valid: torch.Tensor) -> _HostMask:
+        return cls(*hf._runs(valid))
 
     def offsets(self, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
         """Host int32 ``(cu_q, cu_k)``: the function hf.py runs on the device, on the host runs."""
@@ -392,7 +397,7 @@ class GraphedHFModel(GraphOwner):
         else:
             valid = (mask != 0).cpu()  # the one host read
             self.stats["syncs"] += 1
-        _, _, one_run = hf._is_padding(valid, s, False)
+        start, n, one_run = hf._is_padding(valid, s, False)
         if not bool(one_run):
             warn_once(f"hf.graphed: valid tokens are not one run per row: {type(self.model).__name__} runs eagerly for such calls")
             self.stats["fallbacks"] += 1
@@ -400,10 +405,9 @@ class GraphedHFModel(GraphOwner):
         bucket = choose_bucket(self.buckets, b, s) if b and s else None
         if bucket is None:
             self.stats["eager"] += 1
-            return self._eager(call, valid)
-        padded = torch.zeros(bucket.batch, bucket.length, dtype=torch.bool)
-        padded[:b, :s] = valid
-        host = _HostMask(padded)
+            return self._eager(call, _HostMask(start, n))
+        rows = (0, bucket.batch - b)  # padding rows: no valid token (run start 0, count 0)
+        host = _HostMask(F.pad(start, rows), F.pad(n, rows))
         flags = {k: v for k, v in call.items() if not isinstance(v, torch.Tensor)}
         if self._use_cache:
             flags["use_cache"] = False
@@ -461,16 +465,17 @@ class GraphedHFModel(GraphOwner):
                 return f"argument {k!r} of type {type(v).__name__}"
         return None
 
-    def _eager(self, call: dict, valid: torch.Tensor | None = None):
-        """The model as given, under no_grad. ``valid``: the host mask, already read,
-        which a CUDA call plans from (no second read)."""
+    def _eager(self, call: dict, host: _HostMask | None = None):
+        """The model as given, under no_grad. ``host``: the mask, already read, which
+        a CUDA call plans from (no second read)."""
         call = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in call.items()}
         with torch.no_grad():
-            if valid is None or self.device.type != "cuda":
+            if host is None or self.device.type != "cuda":
                 return self._forward(**call)
             if "attention_mask" not in call:
-                call["attention_mask"] = torch.ones(valid.shape, dtype=torch.long, device=self.device)
-            layouts = _MaskLayouts(_HostMask(valid), check=debug_checks())
+                shape = call.get("input_ids", call.get("inputs_embeds")).shape[:2]
+                call["attention_mask"] = torch.ones(shape, dtype=torch.long, device=self.device)
+            layouts = _MaskLayouts(host, check=debug_checks())
             with self.runtime.run_step(_MaskEagerStep(self.runtime, layouts)):
                 return self._forward(**call)
 

@@ -282,7 +282,7 @@ def test_over_bucket_calls_on_cuda_plan_from_the_host_mask(fake_flashinfer):
     ref = build("bert")
     g = hf.graphed(build("bert"), [(2, 8)], runtime=rt)
     kw = inputs("bert", [12, 3, 9], 12)
-    layouts = hf_graphs._MaskLayouts(hf_graphs._HostMask(kw["attention_mask"].bool()), check=True)
+    layouts = hf_graphs._MaskLayouts(hf_graphs._HostMask.of(kw["attention_mask"].bool()), check=True)
     with torch.no_grad(), rt.run_step(hf_graphs._MaskEagerStep(rt, layouts)):
         out = g._forward(**kw)
     with torch.no_grad():

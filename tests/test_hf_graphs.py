@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import _fake_flashinfer  # noqa: E402
-from test_unpad import TEXTS, _cuda_model, _st_dir, build, inputs  # noqa: E402
+from test_unpad import TEXTS, _st_dir, build, inputs  # noqa: E402
 
 import ragged_compile as rc  # noqa: E402
 from ragged_compile import hf, hf_graphs, logs, validation  # noqa: E402
@@ -357,112 +357,116 @@ def test_what_graphed_takes():
     assert not model(**kw).last_hidden_state.requires_grad  # inference only, grad enabled or not
 
 
-def test_debug_checks_compare_every_call(monkeypatch):
-    monkeypatch.setattr(validation, "_DEBUG", True)
-    ref, g = both("bert")
-    kw = inputs("bert", [4, 9], 9)
-    with torch.no_grad():
-        compare(ref(**kw), g(**kw), kw["attention_mask"].bool())
+# -- capture and replay (CUDA), the same tests' bookkeeping on CPU ------------------------------
 
-
-# -- CUDA: capture and replay ------------------------------------------------------------------
-
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 CUDA_BUCKETS = [(8, 32), (16, 64), (4, 128)]
 
 
-def _cuda_pair(family="bert", suffix="Model", buckets=CUDA_BUCKETS):
-    ref = _cuda_model(family, suffix)
-    ref.set_attn_implementation("sdpa")
-    model = _cuda_model(family, suffix)
-    return ref, hf.graphed(model, buckets)
+def _device_model(device, family, suffix):
+    """Head dim 64 (FlashInfer's), 128 positions; bf16 on CUDA, fp32 on CPU."""
+    extra = dict(hidden_size=256, intermediate_size=512, max_position_embeddings=128)
+    if family == "qwen3":
+        extra["head_dim"] = 64
+    return build(family, suffix, **extra).to(device, torch.bfloat16 if device == "cuda" else torch.float32)
 
 
-@pytest.mark.cuda
+def _device_pair(device, family="bert", suffix="Model", buckets=CUDA_BUCKETS):
+    """(the model on "sdpa", the same weights graphed), tolerance."""
+    ref = _device_model(device, family, suffix)
+    return ref, hf.graphed(_device_model(device, family, suffix), buckets), 5e-2 if device == "cuda" else TOL
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("on_cpu", [True, False])  # the caller's tensors: from the tokenizer, or moved
-def test_cuda_capture_once_per_bucket_and_replay_every_layout(on_cpu):
-    ref, g = _cuda_pair()
+def test_capture_once_per_bucket_and_replay_every_layout(device, on_cpu):
+    ref, g, tol = _device_pair(device)
     rt = g.runtime
-    calls = [(b, s, seed) for seed, (b, s) in enumerate(
-        [(8, 32), (8, 32), (8, 32), (3, 20), (16, 64), (11, 50), (16, 64), (4, 128), (2, 100), (4, 128), (1, 7)])]
+    shapes = [(8, 32), (8, 32), (8, 32), (3, 20), (16, 64), (11, 50), (16, 64), (4, 128), (2, 100), (4, 128), (1, 7)]
     used = set()
     before = rt.stats["syncs"]
-    for b, s, seed in calls:
+    for seed, (b, s) in enumerate(shapes):
         kw = inputs("bert", lengths_for(b, s, seed), s, seed=seed)
-        dev_kw = {k: v.cuda() for k, v in kw.items()}
+        dev_kw = {k: v.to(device) for k, v in kw.items()}
         out = g(**(kw if on_cpu else dev_kw))
         with torch.no_grad():
             want = ref(**dev_kw)
-        assert out.last_hidden_state.shape == (b, s, 256) and out.last_hidden_state.is_cuda
+        assert out.last_hidden_state.shape == (b, s, 256) and out.last_hidden_state.device.type == device
         assert torch.isfinite(out.last_hidden_state).all()
-        compare(want, out, dev_kw["attention_mask"].bool(), tol=5e-2)
+        compare(want, out, dev_kw["attention_mask"].bool(), tol=tol)
         used.add(expected_bucket(b, s, CUDA_BUCKETS))
-    assert g.stats["captures"] == len(used) == 3 == len(g.entries)  # never a capture per call
-    assert g.stats["replays"] == len(calls) and g.stats["eager"] == 0
-    assert g.stats["syncs"] == (0 if on_cpu else len(calls))  # one mask read per call at most
+    assert len(used) == 3 == len(g.entries)
+    assert g.stats["captures"] == (3 if device == "cuda" else 0)  # never a capture per call
+    assert g.stats["replays"] == len(shapes) and g.stats["eager"] == 0
+    assert g.stats["syncs"] == (len(shapes) if device == "cuda" and not on_cpu else 0)  # one mask read at most
     assert rt.stats["syncs"] == before  # planning read nothing back
-    assert g.stats["plans"] >= len(calls)  # re-planned before every replay
+    if device == "cuda":
+        assert g.stats["plans"] >= len(shapes)  # re-planned before every replay
 
 
-@pytest.mark.cuda
-def test_cuda_same_shape_other_masks_never_replay_the_captured_plan():
-    ref, g = _cuda_pair(buckets=[(8, 64)])
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_shape_other_masks_never_replay_the_captured_plan(device):
+    ref, g, tol = _device_pair(device, buckets=[(8, 64)])
     layouts = ([64, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 64], [8] * 8, [33, 31, 2, 62, 5, 5, 40, 1],
-               [64] * 8, [0, 64, 0, 64, 0, 64, 0, 64])
+               [64] * 8, [1, 64, 1, 64, 1, 64, 1, 64])
     for i, lens in enumerate(layouts):
-        kw = {k: v.cuda() for k, v in inputs("bert", lens, 64, seed=i).items()}
+        kw = {k: v.to(device) for k, v in inputs("bert", lens, 64, seed=i).items()}
         out = g(**kw)
         with torch.no_grad():
             want = ref(**kw)
-        valid = kw["attention_mask"].bool()
-        err = (out.last_hidden_state.float() - want.last_hidden_state.float())[valid].abs().max().item()
-        assert err < 5e-2, (lens, err)
-    assert g.stats["captures"] == 1 and g.stats["replays"] == len(layouts)
+        compare(want, out, kw["attention_mask"].bool(), tol=tol)
+    assert len(g.entries) == 1 and g.stats["replays"] == len(layouts)
+    assert g.stats["captures"] == (1 if device == "cuda" else 0)
 
 
-@pytest.mark.cuda
-def test_cuda_left_padded_decoder_and_a_call_over_every_bucket():
-    ref, g = _cuda_pair("qwen3", "ForCausalLM", buckets=[(4, 32), (8, 64)])
+@pytest.mark.parametrize("device", DEVICES)
+def test_left_padded_decoder_and_a_call_over_every_bucket(device):
+    ref, g, tol = _device_pair(device, "qwen3", "ForCausalLM", buckets=[(4, 32), (8, 64)])
     rt = g.runtime
     for i, (lens, s) in enumerate([([30, 2, 17], 30), ([5, 64, 9, 1, 60], 64), ([40] * 9, 40), ([3, 30, 9], 30)]):
-        kw = {k: v.cuda() for k, v in inputs("qwen3", lens, s, left=True, seed=i).items()}
+        kw = {k: v.to(device) for k, v in inputs("qwen3", lens, s, left=True, seed=i).items()}
         before = rt.stats["syncs"]
         out = g(**kw)
-        assert rt.stats["syncs"] == before  # also the eager call plans from the mask's one read
+        assert rt.stats["syncs"] == before  # the eager call too plans from the mask's one read
         with torch.no_grad():
             want = ref(**kw, use_cache=False)
-        compare(want, out, kw["attention_mask"].bool(), tol=5e-2)
-    assert g.stats["captures"] == 2 and g.stats["eager"] == 1 and g.stats["replays"] == 3
+        compare(want, out, kw["attention_mask"].bool(), tol=tol)
+    assert g.stats["eager"] == 1 and g.stats["replays"] == 3 and len(g.entries) == 2
+    assert g.stats["captures"] == (2 if device == "cuda" else 0)
 
 
-@pytest.mark.cuda
-def test_cuda_debug_checks_every_replay_against_the_host(monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_debug_checks_every_replay_against_the_host(device, monkeypatch):
     monkeypatch.setattr(validation, "_DEBUG", True)
-    ref, g = _cuda_pair(buckets=[(8, 32)])
+    ref, g, tol = _device_pair(device, buckets=[(8, 32)])
     for i, lens in enumerate(([32, 1, 5], [5, 32, 1], [1, 5, 32])):
-        kw = {k: v.cuda() for k, v in inputs("bert", lens, 32, seed=i).items()}
+        kw = {k: v.to(device) for k, v in inputs("bert", lens, 32, seed=i).items()}
         with torch.no_grad():
             want = ref(**kw)
-        compare(want, g(**kw), kw["attention_mask"].bool(), tol=5e-2)
+        compare(want, g(**kw), kw["attention_mask"].bool(), tol=tol)
 
 
-@pytest.mark.cuda
-def test_cuda_sentence_transformers_encode(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_sentence_transformers_encode_on_the_device(tmp_path, device):
     st = pytest.importorskip("sentence_transformers")
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
 
-    path = _st_dir(tmp_path, "bert")
+    path = _st_dir(tmp_path, "bert")  # head dim 8: FlashInfer computes it zero-padded to 64
+    dtype, tol = (torch.bfloat16, 5e-2) if device == "cuda" else (torch.float32, TOL)
 
     def load():
-        t = Transformer(path, model_kwargs={"attn_implementation": "sdpa", "dtype": torch.bfloat16})
+        t = Transformer(path, model_kwargs={"attn_implementation": "sdpa", "dtype": dtype})
         return st.SentenceTransformer(modules=[t, Pooling(t.get_embedding_dimension(), pooling_mode="mean")],
-                                      device="cuda")
+                                      device=device)
 
-    # head dim 64 for FlashInfer: the tiny model's 32 hidden / 4 heads gives 8, which it pads
     texts = TEXTS * 10
     ref = load().encode(texts, batch_size=8, convert_to_tensor=True)
     model = load()
     model[0].auto_model.forward = hf.graphed(model[0].auto_model, [(8, 16)])
     out = model.encode(texts, batch_size=8, convert_to_tensor=True)
-    torch.testing.assert_close(out.float(), ref.float(), atol=5e-2, rtol=5e-2)
+    assert out.dtype == ref.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     g = model[0].auto_model.forward
-    assert g.stats["captures"] == 1 and g.stats["replays"] == 8
+    assert g.stats["replays"] == 8 and len(g.entries) == 1
+    assert g.stats["captures"] == (1 if device == "cuda" else 0)
+    assert g.stats["syncs"] == (8 if device == "cuda" else 0)  # ST moves the mask to the device

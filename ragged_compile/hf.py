@@ -38,7 +38,7 @@ from .backends.select import unsupported_reason
 from .logs import warn_once
 from .ops import ragged_attention
 
-__all__ = ["register", "attention_forward", "mask_function", "FALLBACKS", "SUPPORTED_VERSIONS", "unpad"]
+__all__ = ["register", "attention_forward", "mask_function", "FALLBACKS", "SUPPORTED_VERSIONS", "unpad", "graphed"]
 
 SUPPORTED_VERSIONS = ">=5.0,<6"
 
@@ -572,3 +572,4 @@ def _window_covers(layout: _Segments, window: int, compiling: bool) -> bool:
 
 
 from .hf_unpad import unpad  # noqa: E402  (padded calls as one packed row; see hf_unpad.py)
+from .hf_graphs import graphed  # noqa: E402  (CUDA graphs over (batch, length) buckets; see hf_graphs.py)

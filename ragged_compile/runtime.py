@@ -135,7 +135,17 @@ class Runtime:
             declared.append(lay)
             if seq_lens_k is not None:
                 declared += [HostLayout(lay.cu_q, lay.cu_q), HostLayout(lay.cu_k, lay.cu_k)]
-        step = PlannedStep(self, declared)
+        with self.run_step(PlannedStep(self, declared)) as step:
+            yield step
+
+    @contextmanager
+    def run_step(self, step: PlannedStep):
+        """Scope one forward in ``step``, a :class:`~ragged_compile.steps.PlannedStep`
+        of this runtime made by the caller (a subclass that finds layouts its own
+        way: hf_graphs.py): active on this thread inside, its wrappers given back
+        at the end, as :meth:`step`."""
+        if step.runtime is not self:
+            raise ValueError("run_step takes a step of this runtime")
         try:
             with activate(step):
                 yield step

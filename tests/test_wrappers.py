@@ -655,6 +655,24 @@ def test_jit_trace_still_checks_sizes_and_offsets():
         traced(q, q, q, torch.tensor([0, 3, 8, 9], dtype=torch.int32))
 
 
+@pytest.mark.cuda
+def test_cuda_jit_trace_records_the_op_and_checks_at_every_run():
+    """On CUDA the trace must record the op (whose kernel checks sizes at every run),
+    not the runtime calls an eager call makes without the dispatcher."""
+    model = Packed().cuda().half().requires_grad_(False)
+    x = torch.randn(10, E, device="cuda", dtype=torch.half)
+    cu = torch.tensor([0, 3, 8, 10], dtype=torch.int32, device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        traced = torch.jit.trace(model, (x, cu))
+    assert "ragged_compile::ragged_attention" in str(traced.graph), traced.graph
+    ours = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning) and "validation.py" in w.filename]
+    assert not ours, [f"{w.filename}:{w.lineno}: {w.message}" for w in ours]
+    x2 = torch.randn(7, E, device="cuda", dtype=torch.half)
+    cu2 = torch.tensor([0, 2, 7], dtype=torch.int32, device="cuda")
+    torch.testing.assert_close(traced(x2, cu2), model(x2, cu2))
+
+
 def test_eager_checks_are_unchanged():
     q = torch.randn(10, H, 8)
     cu = torch.tensor([0, 3, 8, 10], dtype=torch.int32)

@@ -32,47 +32,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _njt_models import SelfAttentionLayer, dense_reference, encoder, njt, random_layouts
 from torch import nn
-from torch._inductor import config as inductor_config
 
 import ragged_compile as rc
+from ragged_compile import logs as rc_logs
 from ragged_compile import njt as rc_njt
-from ragged_compile import ops as rc_ops
 from ragged_compile.reference import dense_attention, dense_gradients
 
 E, H = 32, 4
 counters = torch._dynamo.utils.counters
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    counters.clear()
-    with inductor_config.patch(force_disable_caches=True):
-        yield
-
-
-class _Counter(threading.local):
-    n = 0
-
-
-@pytest.fixture
-def ours(monkeypatch):
-    """Calls of our op's CPU kernels on this thread (``ours.n``)."""
-    from ragged_compile.backends import cpu as cpu_kernel
-
-    count = _Counter()
-
-    def spying(real):
-        def spy(*args, **kwargs):
-            count.n += 1
-            return real(*args, **kwargs)
-
-        return spy
-
-    monkeypatch.setattr(rc_ops, "reference_attention", spying(rc_ops.reference_attention))
-    monkeypatch.setattr(rc_ops, "cpu_attention", spying(rc_ops.cpu_attention))
-    monkeypatch.setattr(cpu_kernel, "cpu_attention", spying(cpu_kernel.cpu_attention))
-    return count
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 class Block(nn.Module):
@@ -130,7 +98,7 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _assert_grads(model, want, prefix=""):
+def _assert_grads(model, want):
     got = {n.replace("_orig_mod.", "").replace("module.", ""): p.grad for n, p in model.named_parameters()}
     assert set(got) == set(want), (sorted(got), sorted(want))
     for n, g in want.items():
@@ -531,7 +499,7 @@ def test_user_error_in_the_first_call_leaves_the_model_dynamic(caplog, monkeypat
     on a data-dependent size, which is no reason to give up unbacked min/max lengths:
     the error propagates with its reason, and 30 layouts then compile as many graphs
     as on a fresh model."""
-    monkeypatch.setattr(rc_njt, "_seen", set())  # warnings are once per process
+    monkeypatch.setattr(rc_logs, "_seen", set())  # warnings are once per process
     layouts = random_layouts(30)
     fresh = _graphs_over(rc.compile(_attn, backend="aot_eager", fullgraph=True), layouts)
     torch._dynamo.reset()
@@ -567,7 +535,7 @@ def test_fullgraph_fallback_reason_is_on_the_raised_error():
 def test_real_unbacked_failure_keeps_lengths_backed_once(caplog, monkeypatch):
     """A model that guards on the max length does need it backed: one WARNING, and
     it runs (and keeps running) correctly."""
-    monkeypatch.setattr(rc_njt, "_seen", set())  # warnings are once per process
+    monkeypatch.setattr(rc_logs, "_seen", set())  # warnings are once per process
 
     def f(x):
         if x._get_max_seqlen() > 4:
@@ -685,6 +653,24 @@ def test_jit_trace_still_checks_sizes_and_offsets():
         traced(q, q, torch.randn(10, H, 4), cu)
     with pytest.raises(Exception, match=r"cu_seqlens_q\[-1\] is 9 but q holds 10 tokens"):
         traced(q, q, q, torch.tensor([0, 3, 8, 9], dtype=torch.int32))
+
+
+@pytest.mark.cuda
+def test_cuda_jit_trace_records_the_op_and_checks_at_every_run():
+    """On CUDA the trace must record the op (whose kernel checks sizes at every run),
+    not the runtime calls an eager call makes without the dispatcher."""
+    model = Packed().cuda().half().requires_grad_(False)
+    x = torch.randn(10, E, device="cuda", dtype=torch.half)
+    cu = torch.tensor([0, 3, 8, 10], dtype=torch.int32, device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        traced = torch.jit.trace(model, (x, cu))
+    assert "ragged_compile::ragged_attention" in str(traced.graph), traced.graph
+    ours = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning) and "validation.py" in w.filename]
+    assert not ours, [f"{w.filename}:{w.lineno}: {w.message}" for w in ours]
+    x2 = torch.randn(7, E, device="cuda", dtype=torch.half)
+    cu2 = torch.tensor([0, 2, 7], dtype=torch.int32, device="cuda")
+    torch.testing.assert_close(traced(x2, cu2), model(x2, cu2))
 
 
 def test_eager_checks_are_unchanged():

@@ -17,6 +17,16 @@ Rows (``--only`` picks sections):
 * ``train``: training steps (forward, backward, AdamW; attention dropout 0) of
   BERT-base 64 x 256 and BERT-large 32 x 512, ~50% padding: ``"sdpa"`` (cuDNN's
   fused attention on Hopper) against ours, padded and unpadded, ms and syncs per step.
+* ``graphs`` (not in the default ``--only``): CUDA graphs through ``hf.graphed``.
+  BERT-base forward ms at 64 x 48, 64 x 128 and 16 x 512 (lengths L/2..L, each
+  shape its own bucket) against ``"sdpa"`` eager, the graphed call given the
+  mask on the device (one read per call) and on the CPU (as a tokenizer gives
+  it: no read); and sentence-transformers ``encode()`` of 4096 sentences of
+  lognormal length (mean ~45 tokens, batch 64) on BERT-base with and without
+  graphs (buckets every 32 tokens). No pretrained vocabulary offline: the
+  tokenizer is a ``BertTokenizerFast`` over a synthetic 30k-word vocabulary, the
+  sentences its words (one token each), so tokenization is WordPiece's real
+  cost on text of that length, not on natural text.
 
 ``--smoke`` runs tiny sizes on whatever device there is (CPU included), to check
 the plumbing. Writes ``host.json`` (every number, the environment) and
@@ -171,6 +181,25 @@ def profile_rows(dev, dtype, lens, heads, d, steps=20) -> dict:
                     _sync(dev)
         tables[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
         print(f"== profile {name} ({steps} calls)\n{tables[name]}", flush=True)
+        # torch.profiler sends calls through the dispatcher (so it can see them): the
+        # eager path itself, function by function, is Python's profiler's to show.
+        import cProfile
+        import io
+        import pstats
+
+        with rt.step(lens):
+            grad = torch.enable_grad() if name == "fwd_bwd" else torch.no_grad()
+            with grad:
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(10 * steps):
+                    fn()
+                _sync(dev)
+                pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
+        tables[name + "_python"] = buf.getvalue()
+        print(f"== python profile {name} ({10 * steps} calls)\n{buf.getvalue()}", flush=True)
     return tables
 
 
@@ -288,6 +317,108 @@ def train_rows(dev, dtype, configs, target_s) -> list[dict]:
     return rows
 
 
+# -- CUDA graphs (hf.graphed) --------------------------------------------------------------
+
+
+def graphs_rows(dev, dtype, shapes, layers, hidden, heads, target_s) -> list[dict]:
+    """Forward ms per padded batch: ``"sdpa"`` eager against ``hf.graphed`` (bucket =
+    the shape), the mask on the device and on the CPU, same weights."""
+    from ragged_compile import hf
+
+    sdpa = _bert(dev, dtype, layers, hidden, heads, "sdpa")
+    model = _bert(dev, dtype, layers, hidden, heads, "sdpa")
+    model.load_state_dict(sdpa.state_dict())
+    g = hf.graphed(model, shapes)
+    rows = []
+    for b, s in shapes:
+        ids, mask, lens = _padded_batch(b, s, dev)
+        on_cpu = dict(input_ids=ids.cpu(), attention_mask=mask.cpu())
+        row = {"model": "bert-base", "batch": b, "length": s, "real_tokens": int(lens.sum()), "padded_tokens": b * s}
+        fns = {
+            "sdpa": lambda: sdpa(input_ids=ids, attention_mask=mask).last_hidden_state,
+            "graphed": lambda: g(input_ids=ids, attention_mask=mask).last_hidden_state,
+            "graphed_cpu_inputs": lambda: g(**on_cpu).last_hidden_state,
+        }
+        with torch.no_grad():
+            outs = {k: f() for k, f in fns.items()}
+            for k, f in fns.items():
+                r = time_fn(f, dev, warmup=3, min_reps=10, target_s=target_s)
+                row[k] = {"ms": r["ms"], "wall_ms": r["wall_ms"]}
+        valid = mask.bool()
+        row["max_diff_valid"] = max(
+            (outs[k].float() - outs["sdpa"].float())[valid].abs().max().item() for k in ("graphed", "graphed_cpu_inputs")
+        )
+        row["graphed_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["graphed"]["wall_ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    rows.append({"stats": dict(g.stats)})
+    return rows
+
+
+def _sentences(n, vocab_words, seed=0):
+    """``n`` sentences of synthetic vocabulary words, lognormal lengths (mean ~45
+    tokens with [CLS] and [SEP], at most 510 words)."""
+    import math
+
+    g = torch.Generator().manual_seed(seed)
+    sigma = 0.6
+    lens = torch.exp(math.log(43) - sigma**2 / 2 + sigma * torch.randn(n, generator=g)).round().clamp(1, 510).long()
+    return [" ".join(f"w{j}" for j in torch.randint(0, vocab_words, (int(k),), generator=g).tolist()) for k in lens]
+
+
+def st_encode_rows(dev, dtype, n, batch, layers, hidden, heads) -> dict:
+    """``SentenceTransformer.encode()`` wall seconds of ``n`` sentences: plain
+    (``"sdpa"``) against ``hf.graphed`` on the same weights (one line), the graphed
+    model's first encode (its captures) apart."""
+    import tempfile
+
+    import sentence_transformers as st
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    from ragged_compile import hf
+
+    words = 30000
+    texts = _sentences(n, words)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "model"
+        vocab = pathlib.Path(tmp) / "vocab.txt"
+        vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(words)]))
+        tok = BertTokenizerFast(vocab_file=str(vocab), model_max_length=512)
+        cfg = BertConfig(vocab_size=words + 5, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         intermediate_size=4 * hidden, max_position_embeddings=512, attention_probs_dropout_prob=0.0)
+        torch.manual_seed(0)
+        BertModel(cfg).save_pretrained(path)
+        tok.save_pretrained(path)
+
+        def load():
+            t = Transformer(str(path), model_kwargs={"attn_implementation": "sdpa", "dtype": dtype})
+            return st.SentenceTransformer(modules=[t, Pooling(t.get_embedding_dimension(), pooling_mode="mean")],
+                                          device=str(dev))
+
+        plain, graphed = load(), load()
+    graphed[0].auto_model.forward = hf.graphed(graphed[0].auto_model, [(batch, length) for length in range(32, 513, 32)])
+
+    def encode(m):
+        t0 = time.perf_counter()
+        out = m.encode(texts, batch_size=batch, convert_to_tensor=True)
+        _sync(dev)
+        return out, time.perf_counter() - t0
+
+    row = {"sentences": n, "batch": batch, "mean_tokens": sum(len(t.split()) + 2 for t in texts) / n}
+    _, row["graphed_first_s"] = encode(graphed)  # captures its buckets
+    encode(plain)
+    for name, m in (("sdpa", plain), ("graphed", graphed)):
+        runs = [encode(m) for _ in range(3)]
+        row[f"{name}_s"] = min(r[1] for r in runs)
+        row[f"_{name}_out"] = runs[0][0]
+    row["max_diff"] = (row.pop("_graphed_out").float() - row.pop("_sdpa_out").float()).abs().max().item()
+    row["graphed_over_sdpa_speed"] = row["sdpa_s"] / row["graphed_s"]
+    row["stats"] = dict(graphed[0].auto_model.forward.stats)
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def _markdown(res: dict) -> str:
     lines = ["# Host cost and small batches", "", f"Environment: `{json.dumps(res['environment'])}`", ""]
     if "op" in res:
@@ -311,6 +442,21 @@ def _markdown(res: dict) -> str:
                 f"{r['max_diff_valid']:.1e} |"
             )
         lines.append("")
+    if "graphs" in res:
+        lines += ["## CUDA graphs (hf.graphed): BERT-base forward, padded batches (lengths L/2..L)", "",
+                  "| batch x L | sdpa ms | graphed ms (mask on device) | graphed ms (inputs on CPU) | graphed / sdpa | max diff |",
+                  "|---|---|---|---|---|---|"]
+        for r in res["graphs"]["forward"]:
+            if "stats" not in r:
+                lines.append(
+                    f"| {r['batch']} x {r['length']} | {r['sdpa']['wall_ms']:.2f} | {r['graphed']['wall_ms']:.2f} | "
+                    f"{r['graphed_cpu_inputs']['wall_ms']:.2f} | {r['graphed_over_sdpa_speed']:.2f}x | {r['max_diff_valid']:.1e} |"
+                )
+        e = res["graphs"]["encode"]
+        lines += ["", f"sentence-transformers encode(), {e['sentences']} sentences (mean {e['mean_tokens']:.0f} tokens), "
+                  f"batch {e['batch']}: sdpa {e['sdpa_s']:.2f} s, graphed {e['graphed_s']:.2f} s "
+                  f"({e['graphed_over_sdpa_speed']:.2f}x; first encode with its captures {e['graphed_first_s']:.2f} s), "
+                  f"max diff {e['max_diff']:.1e}. Tokenizer: BertTokenizerFast over a synthetic vocabulary.", ""]
     if "train" in res:
         lines += ["## Training step (forward, backward, AdamW), padded", "",
                   "| model | batch x L | sdpa ms | ours ms | ours unpadded ms | ours / sdpa | unpadded / sdpa | syncs / step (sdpa, ours, unpadded) |",
@@ -351,6 +497,13 @@ def main() -> None:
         else:
             res["hf"] = hf_rows(dev, dtype, [(64, 48), (64, 128), (16, 512), (256, 128), (64, 512)], 12, 768, 12, a.target_s)
             res["hf"] += hf_rows(dev, dtype, [(64, 512), (128, 256)], 24, 1024, 16, a.target_s, label="bert-large")
+    if "graphs" in only:
+        if a.smoke:
+            res["graphs"] = {"forward": graphs_rows(dev, dtype, [(4, 16)], 2, 64, 2, 0.05),
+                             "encode": st_encode_rows(dev, dtype, 64, 16, 2, 64, 2)}
+        else:
+            res["graphs"] = {"forward": graphs_rows(dev, dtype, [(64, 48), (64, 128), (16, 512)], 12, 768, 12, a.target_s),
+                             "encode": st_encode_rows(dev, dtype, 4096, 64, 12, 768, 12)}
     if "train" in only:
         if a.smoke:
             res["train"] = train_rows(dev, dtype, [("tiny", 2, 64, 2, 4, 16)], 0.05)

@@ -62,9 +62,8 @@ def compile(model: Callable | None = None, **torch_compile_kwargs: Any) -> Any:
     so that new layouts (batch size, lengths, totals, max length) reuse the
     compiled graph instead of recompiling or specialising.
 
-    The rewrite lives in a wrapper around the returned object's entry point;
-    ``copy.deepcopy`` or pickling rebuilds a plain ``torch.compile`` object, so
-    compile the copy again.
+    The rewrite lives in a wrapper around the returned object's entry point,
+    which a module's ``copy.deepcopy``, pickle or ``torch.save`` copy keeps.
     """
     if model is None:
         return lambda m: compile(m, **torch_compile_kwargs)
@@ -84,11 +83,14 @@ def compile(model: Callable | None = None, **torch_compile_kwargs: Any) -> Any:
     compiled = torch.compile(model, backend=ours, options=dynamo_options, **kwargs)
     mark = None if dynamic is False else True
     if isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule):
-        # forward is Dynamo's wrapped entry; nn.Module.__call__ (hooks included)
-        # runs outside it, as does our wrapper around it.
-        compiled.forward = _wrap(compiled.forward, mark)
+        # forward is Dynamo's wrapped entry, built by the module's dynamo_ctx;
+        # nn.Module.__call__ (hooks included) runs outside it, as does our
+        # wrapper around it. Our context builds it wrapped, here and in every
+        # copy: deepcopy and pickle rebuild OptimizedModule(module, dynamo_ctx).
+        compiled.dynamo_ctx = _RaggedContext(compiled.dynamo_ctx, mark)
+        compiled._initialize()
         return compiled
-    return functools.wraps(compiled)(_wrap(compiled, mark))
+    return functools.wraps(compiled)(_wrap(compiled, {"unbacked": mark}))
 
 
 class RaggedBackend:
@@ -207,50 +209,118 @@ def _cuda_step(njts: list[NestedTensor]):
         yield
 
 
-def _wrap(call: Callable, mark: bool) -> Callable:
-    state = {"unbacked": mark}
-
+def _wrap(call: Callable, state: dict) -> Callable:
     def run(*args: Any, **kwargs: Any) -> Any:
         return _run(call, state, args, kwargs)
 
     return run
 
 
+class _RaggedContext:
+    """The ``dynamo_ctx`` of a module compiled by :func:`compile`: Dynamo's own
+    context, whose entry point it wraps in :func:`_run`.
+
+    ``OptimizedModule`` builds ``forward`` as ``dynamo_ctx(module.__call__)`` when
+    it is made and when a copy is (``copy.deepcopy``, pickle and ``torch.save``
+    rebuild it from the module and this context), so every copy gets the
+    wrapper, hence the dynamic marks, and the state learned so far (whether
+    min/max lengths can stay unbacked). Everything else is Dynamo's context's.
+    """
+
+    def __init__(self, inner: Any, mark: bool | None) -> None:
+        self.inner = inner
+        self.state = {"unbacked": mark}
+
+    def __call__(self, fn: Callable) -> Callable:
+        return _wrap(self.inner(fn), self.state)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for what this object lacks; never while unpickling (no inner yet).
+        if name.startswith("__") or name in ("inner", "state"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
 def _run(call: Callable, state: dict, args: tuple, kwargs: dict) -> Any:
     njts = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, NestedTensor)]
     with enable(), _call_context(args, kwargs):
-        if state["unbacked"] is None or not njts:  # dynamic=False: no marks
-            return call(*args, **kwargs)
         try:
-            with _dynamic_layouts(njts, unbacked=state["unbacked"]):
-                return call(*args, **kwargs)
+            return _call_marked(call, state, njts, args, kwargs)
         except Exception as e:
-            if not (state["unbacked"] and _unbacked_failure(e)):
-                raise
-        # Some code needs the unmarked sizes' values (a guard on a data-dependent
-        # size): keep them backed from now on, as plain torch.compile does.
-        state["unbacked"] = False
-        from .njt import _note
+            _surface_notes(e)
+            raise
 
-        _note(
-            logging.WARNING,
-            "this model cannot keep NJT min/max lengths symbolic without hints, so layouts "
-            "whose min or max segment length is 1 compile their own graph",
-        )
-        with _dynamic_layouts(njts, unbacked=False):
+
+def _call_marked(call: Callable, state: dict, njts: list, args: tuple, kwargs: dict) -> Any:
+    unbacked = state["unbacked"]
+    if unbacked is None or not njts:  # dynamic=False: no marks
+        return call(*args, **kwargs)
+    try:
+        with _dynamic_layouts(njts, unbacked=unbacked):
             return call(*args, **kwargs)
+    except Exception as e:
+        if not (unbacked and _unbacked_failure(e)):
+            raise
+        first = e
+    # A data-dependent failure: our unbacked min/max lengths, or the model's own
+    # (a user error, stock code reading sizes)? Only a call that then compiles
+    # with them backed says it was ours.
+    try:
+        with _dynamic_layouts(njts, unbacked=False):
+            out = call(*args, **kwargs)
+    except Exception:
+        retry_failed = True
+    else:
+        retry_failed = False
+    if retry_failed:
+        # Not our marks: the call's own error, and the model keeps its settings.
+        # Raised out here so that its chain stays as it was.
+        raise first
+    # Some code needs the unmarked sizes' values (a guard on a data-dependent
+    # size): keep them backed from now on, as plain torch.compile does.
+    state["unbacked"] = False
+    from .njt import _note
+
+    _note(
+        logging.WARNING,
+        "this model cannot keep NJT min/max lengths symbolic without hints, so layouts "
+        "whose min or max segment length is 1 compile their own graph",
+    )
+    return out
 
 
 _UNBACKED_ERRORS = ("GuardOnDataDependentSymNode", "PendingUnbackedSymbolNotFound", "DataDependent")
 
 
 def _unbacked_failure(e: BaseException | None) -> bool:
+    """Whether a failure is data-dependent (a guard or a size needing an unbacked value).
+
+    Only a candidate: :func:`_call_marked` retries with backed sizes to learn
+    whether our marks caused it.
+    """
     seen = 0
     while e is not None and seen < 16:
         if any(name in type(e).__name__ for name in _UNBACKED_ERRORS) or "unbacked" in str(e)[:2000]:
             return True
         e, seen = e.__cause__ or e.__context__, seen + 1
     return False
+
+
+def _surface_notes(e: BaseException) -> None:
+    """Put ragged_compile's notes from deeper in the chain on ``e`` itself.
+
+    The NJT SDPA handler notes why a call was left to stock NJT SDPA on the
+    exception stock raised (see :mod:`ragged_compile.njt`); Dynamo wraps that
+    one (``Unsupported``, ``UserError``) and prints the wrapper, note-less.
+    """
+    have = set(getattr(e, "__notes__", ()))
+    inner, seen = e.__cause__ or e.__context__, 0
+    while inner is not None and seen < 16:
+        for note in getattr(inner, "__notes__", ()):
+            if isinstance(note, str) and note.startswith("ragged_compile:") and note not in have:
+                e.add_note(note)
+                have.add(note)
+        inner, seen = inner.__cause__ or inner.__context__, seen + 1
 
 
 @contextlib.contextmanager

@@ -64,7 +64,7 @@ from .runtime import Runtime
 from .steps import Step, activate
 from .validation import check_cu_seqlens_values
 
-__all__ = ["GraphedModel", "OUTPUT_KINDS", "real_rows"]
+__all__ = ["GraphOwner", "GraphStep", "GraphedModel", "OUTPUT_KINDS", "real_rows"]
 
 OUTPUT_KINDS = ("auto", "tokens", "segments", "whole")
 
@@ -120,15 +120,18 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
 
 
 class _GraphSlot:
-    """A graph-mode wrapper for one (layout kind, head config) of a bucket."""
+    """A graph-mode wrapper for one (offsets, head config) of a capture.
 
-    def __init__(self, wrapper, kind, config, split_kv):
+    ``key`` names where its offsets come from: ("q", "q"), ("q", "k") or ("k", "k")
+    here, a mask recipe in hf_graphs.py."""
+
+    def __init__(self, wrapper, key, config, split_kv):
         self.wrapper = wrapper
-        self.kind = kind  # ("q", "q"), ("q", "k") or ("k", "k")
+        self.key = key
         self.config = config  # (hq, hkv, d, dtype, causal, scale)
         self.split_kv = split_kv
         pin = fi.staging_buffer(wrapper)
-        self.staging = [pin, torch.empty_like(pin).pin_memory()]
+        self.staging = [pin, _pinned(torch.empty_like(pin))]
         self.events: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
 
@@ -168,25 +171,21 @@ def _indptr(padded: PaddedLayout, kind) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class GraphStep(Step):
-    """The step the op's CUDA kernel sees during warm-up and capture of a bucket."""
+    """The step the op's CUDA kernel sees during warm-up and capture of a bucket.
 
-    def __init__(self, model: GraphedModel, entry: _Entry):
-        self.runtime = model.runtime
-        self.owner = model
+    ``entry.slots`` holds the graph-mode wrappers by (offsets key, head config);
+    :meth:`offsets_key` names which offsets a call's ``cu_q``/``cu_k`` are (here:
+    the entry's static offsets buffers, by address), and ``owner._new_slot(entry,
+    key, config)`` makes the wrapper of a new pair, planned for the current call.
+    """
+
+    def __init__(self, owner: GraphOwner, entry):
+        self.runtime = owner.runtime
+        self.owner = owner
         self.entry = entry
 
-    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal, scale):
-        raise RuntimeError(
-            "CUDA-graph mode is inference-only (a replay records no autograd graph): it "
-            "captures under torch.no_grad(); train the model outside Runtime.graphed"
-        )
-
-    def attention(self, q, k, v, cu_q, cu_k, causal, scale):
-        reason = select.forward_reason(q.device, q.dtype, q.shape[-1])
-        if reason is not None:  # the reference kernel reads offsets on the host: not capturable
-            raise ValueError(f"CUDA-graph mode runs FlashInfer only: {reason}")
-        e = self.entry
-        names = {t.data_ptr(): name for name, t in e.cu.items()}
+    def offsets_key(self, cu_q: torch.Tensor, cu_k: torch.Tensor):
+        names = {t.data_ptr(): name for name, t in self.entry.cu.items()}
         kind = (names.get(cu_q.data_ptr()), names.get(cu_k.data_ptr()))
         if None in kind:
             raise ValueError(
@@ -194,20 +193,133 @@ class GraphStep(Step):
                 "to ragged_attention (unchanged: no copies or casts), so the runtime can "
                 "re-plan them before each replay"
             )
+        return kind
+
+    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal, scale):
+        raise RuntimeError(
+            "CUDA-graph mode is inference-only (a replay records no autograd graph): it "
+            "captures under torch.no_grad(); train the model outside graph mode"
+        )
+
+    def attention(self, q, k, v, cu_q, cu_k, causal, scale):
+        reason = select.forward_reason(q.device, q.dtype, q.shape[-1])
+        if reason is not None:  # the reference kernel reads offsets on the host: not capturable
+            raise ValueError(f"CUDA-graph mode runs FlashInfer only: {reason}")
+        key = self.offsets_key(cu_q, cu_k)
         config = (q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale)
-        slot = e.slots.get((kind, config))
+        slot = self.entry.slots.get((key, config))
         if slot is None:
-            if torch.cuda.is_current_stream_capturing():
+            if q.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
                     "an attention configuration appeared during CUDA-graph capture that the "
                     "warm-up did not run; the model must run the same layers on every call"
                 )
-            slot = self.owner._new_slot(e, kind, config)
+            slot = self.owner._new_slot(self.entry, key, config)
         self.runtime.count("flashinfer")
         return fi.run(slot.wrapper, q, k, v)
 
 
-class GraphedModel:
+class GraphOwner:
+    """What a graph-mode model keeps beside its captures: the runtime that plans for
+    it, ``stats``, one graph memory pool for all its captures, and the float
+    workspace of its graph-mode wrappers. :class:`GraphedModel` here and
+    ``hf_graphs.GraphedHFModel`` build on it; it makes, plans and captures, they say
+    which layouts."""
+
+    def __init__(self, runtime: Runtime, split_kv, *, how: str):
+        if split_kv not in ("auto", True, False):
+            raise ValueError(f'split_kv must be "auto", True or False, got {split_kv!r}')
+        if not isinstance(runtime, Runtime):
+            raise TypeError(
+                f"{type(self).__name__} needs the ragged_compile.Runtime that plans for it; make it with {how}"
+            )
+        self.runtime = runtime
+        self.split_kv = split_kv
+        self.stats: Counter = Counter()
+        self._pool = None
+        self._workspace: torch.Tensor | None = None  # float workspace of the graph-mode wrappers
+
+    def make_slot(self, key, config, *, sequences: int, segments: int, rows_q: int, rows_k: int, device) -> _GraphSlot:
+        """A graph-mode wrapper for offsets of ``segments`` segments over ``rows_q`` /
+        ``rows_k`` rows, primed at that ceiling (its first plan latches the row
+        capacity), not yet planned for a real layout. ``sequences``: the real
+        sequences it serves, which choose fa2/fa3 and ``split_kv="auto"``."""
+        hq, hkv, d, dtype, causal, scale = config
+        backend = select.flashinfer_backend(
+            self.runtime.backend, self.runtime.device, sequences, rows_k,
+            hq=hq, hkv=hkv, head_dim=d, causal=causal,
+        )
+        split_kv = self.split_kv
+        if split_kv == "auto":
+            split_kv = rows_k / sequences >= fi.AUTO_FA2_BELOW_MEAN_KV
+        entries = 2 * segments + 1 if causal else segments + 1  # causal plans split every segment in two
+        # Prime at the ceiling: the first plan latches the wrapper's row capacity.
+        prime_q = torch.full((segments + 1,), rows_q, dtype=torch.int32)
+        prime_k = torch.full((segments + 1,), rows_k, dtype=torch.int32)
+        prime_q[0] = prime_k[0] = 0
+        for attempt in range(3):
+            if self._workspace is None:
+                self._workspace = self.runtime.workspace()
+            with torch.inference_mode(False):  # buffers planned later in and out of inference mode
+                wrapper = fi.make_wrapper(
+                    self._workspace,
+                    backend,
+                    qo_indptr_buf=torch.zeros(entries, dtype=torch.int32, device=device),
+                    kv_indptr_buf=torch.zeros(entries, dtype=torch.int32, device=device),
+                )
+            try:
+                fi.plan(wrapper, prime_q, prime_k, hq, hkv, d, dtype, causal, scale, split_kv=split_kv, causal_split=True)
+                break
+            except RuntimeError as err:
+                need = fi.workspace_shortfall(err)
+                if need is None or attempt == 2:
+                    raise
+                # Split-KV buffers for the whole bucket: grow this model's workspace
+                # (wrappers made earlier keep theirs) and plan again.
+                self._workspace = torch.empty(2 * need, dtype=torch.uint8, device=device)
+        with torch.inference_mode(False):
+            return _GraphSlot(wrapper, key, config, split_kv)
+
+    def plan(self, slot: _GraphSlot, qo: torch.Tensor, kv: torch.Tensor) -> None:
+        """Plan ``slot`` for host indptrs ``qo``/``kv``, outside any graph: a replay
+        after it computes this layout. Staged in the slot's other pinned buffer, so
+        this plan never rewrites one whose copy may still be in flight."""
+        i = slot.turn
+        event = slot.events[i]
+        if event is not None and not event.query():
+            self.stats["waits"] += 1
+            event.synchronize()
+        fi.set_staging_buffer(slot.wrapper, slot.staging[i])
+        hq, hkv, d, dtype, causal, scale = slot.config
+        fi.plan(slot.wrapper, qo, kv, hq, hkv, d, dtype, causal, scale, split_kv=slot.split_kv, causal_split=True)
+        slot.events[i] = torch.cuda.Event()
+        slot.events[i].record()
+        slot.turn ^= 1
+        self.stats["plans"] += 1
+        self.runtime.count("plans")
+
+    def capture(self, forward):
+        """``(graph, out)``: ``forward()`` (which activates its step) warmed up twice
+        on a side stream (this is where ``torch.compile`` compiles and the wrappers
+        are made), then captured into this model's pool. Under ``torch.no_grad()``:
+        a replay has no autograd graph, so none is recorded (and grad-requiring
+        weights do not send attention to the training ops)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool):
+            out = forward()
+        self.stats["captures"] += 1
+        return graph, out
+
+
+class GraphedModel(GraphOwner):
     """``model`` under CUDA graphs across varying layouts; see the module docstring.
 
     Made by ``Runtime.graphed`` (which documents ``split_kv`` and ``outputs``).
@@ -217,23 +329,12 @@ class GraphedModel:
     """
 
     def __init__(self, model, buckets, *, runtime: Runtime, split_kv="auto", outputs=None):
-        if split_kv not in ("auto", True, False):
-            raise ValueError(f'split_kv must be "auto", True or False, got {split_kv!r}')
-        if not isinstance(runtime, Runtime):
-            raise TypeError(
-                "GraphedModel needs the ragged_compile.Runtime that plans for it; "
-                "make it with rc.Runtime().graphed(model, buckets)"
-            )
+        super().__init__(runtime, split_kv, how="rc.Runtime().graphed(model, buckets)")
         _check_outputs(outputs)
         self.outputs = outputs
         self.model = model
         self.buckets = as_buckets(buckets)
-        self.runtime = runtime
-        self.split_kv = split_kv
         self.entries: dict[Bucket, _Entry] = {}
-        self.stats: Counter = Counter()
-        self._pool = None
-        self._workspace: torch.Tensor | None = None  # float workspace of the graph-mode wrappers
 
     def __call__(self, x, cu_seqlens, kv=None, cu_seqlens_k=None):
         if (kv is None) != (cu_seqlens_k is None):
@@ -305,64 +406,17 @@ class GraphedModel:
             e.kv[kv.shape[0] :].zero_()
             e.cu["k"].copy_(_pinned(padded.cu_k), non_blocking=True)
         for slot in e.slots.values():
-            self._plan(slot, padded)
-
-    def _plan(self, slot: _GraphSlot, padded: PaddedLayout) -> None:
-        i = slot.turn
-        event = slot.events[i]
-        if event is not None and not event.query():
-            self.stats["waits"] += 1
-            event.synchronize()
-        fi.set_staging_buffer(slot.wrapper, slot.staging[i])
-        qo, kv = _indptr(padded, slot.kind)
-        hq, hkv, d, dtype, causal, scale = slot.config
-        fi.plan(slot.wrapper, qo, kv, hq, hkv, d, dtype, causal, scale, split_kv=slot.split_kv, causal_split=True)
-        slot.events[i] = torch.cuda.Event()
-        slot.events[i].record()
-        slot.turn ^= 1
-        self.stats["plans"] += 1
-        self.runtime.count("plans")
+            self.plan(slot, *_indptr(padded, slot.key))
 
     def _new_slot(self, e: _Entry, kind, config) -> _GraphSlot:
-        hq, hkv, d, dtype, causal, scale = config
         b = e.bucket
-        rows_q = b.max_tokens_q if kind[0] == "q" else b.max_tokens_k
-        rows_k = b.max_tokens_q if kind[1] == "q" else b.max_tokens_k
-        backend = select.flashinfer_backend(
-            self.runtime.backend, self.runtime.device, b.max_segments, rows_k,
-            hq=hq, hkv=hkv, head_dim=d, causal=causal,
+        slot = self.make_slot(
+            kind, config, sequences=b.max_segments, segments=b.max_segments + 1,
+            rows_q=b.max_tokens_q if kind[0] == "q" else b.max_tokens_k,
+            rows_k=b.max_tokens_q if kind[1] == "q" else b.max_tokens_k,
+            device=e.x.device,
         )
-        split_kv = self.split_kv
-        if split_kv == "auto":
-            split_kv = rows_k / b.max_segments >= fi.AUTO_FA2_BELOW_MEAN_KV
-        dev = e.x.device
-        S = b.max_segments
-        entries = 2 * (S + 1) + 1 if causal else S + 2  # causal plans split every segment in two
-        # Prime at the ceiling: the first plan latches the wrapper's row capacity.
-        prime_q = torch.full((S + 2,), rows_q, dtype=torch.int32)
-        prime_k = torch.full((S + 2,), rows_k, dtype=torch.int32)
-        prime_q[0] = prime_k[0] = 0
-        for attempt in range(3):
-            if self._workspace is None:
-                self._workspace = self.runtime.workspace()
-            wrapper = fi.make_wrapper(
-                self._workspace,
-                backend,
-                qo_indptr_buf=torch.zeros(entries, dtype=torch.int32, device=dev),
-                kv_indptr_buf=torch.zeros(entries, dtype=torch.int32, device=dev),
-            )
-            try:
-                fi.plan(wrapper, prime_q, prime_k, hq, hkv, d, dtype, causal, scale, split_kv=split_kv, causal_split=True)
-                break
-            except RuntimeError as err:
-                need = fi.workspace_shortfall(err)
-                if need is None or attempt == 2:
-                    raise
-                # Split-KV buffers for the whole bucket: grow this model's workspace
-                # (wrappers made earlier keep theirs) and plan again.
-                self._workspace = torch.empty(2 * need, dtype=torch.uint8, device=dev)
-        slot = _GraphSlot(wrapper, kind, config, split_kv)
-        self._plan(slot, e.padded)
+        self.plan(slot, *_indptr(e.padded, kind))
         e.slots[(kind, config)] = slot
         return slot
 
@@ -373,19 +427,11 @@ class GraphedModel:
             self.entries[bucket] = e
             return e
         step = GraphStep(self, e)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        # Inference only: a replay has no autograd graph, so none is recorded
-        # (and grad-requiring weights do not send attention to the training ops).
-        with torch.no_grad(), torch.cuda.stream(side), activate(step):
-            for _ in range(2):  # the first call compiles (torch.compile) and creates wrappers
-                self.model(*e.args())
-        torch.cuda.current_stream().wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        e.graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(e.graph, pool=self._pool), activate(step):
-            e.out = self.model(*e.args())
-        self.stats["captures"] += 1
+
+        def forward():
+            with activate(step):
+                return self.model(*e.args())
+
+        e.graph, e.out = self.capture(forward)
         self.entries[bucket] = e  # only once captured: a failed capture leaves no half-built entry
         return e

@@ -53,7 +53,7 @@ from .backends.select import WINDOW, unsupported_reason, variant
 from .logs import warn_once
 from .ops import ragged_attention
 
-__all__ = ["register", "attention_forward", "mask_function", "FALLBACKS", "SUPPORTED_VERSIONS", "unpad"]
+__all__ = ["register", "attention_forward", "mask_function", "FALLBACKS", "SUPPORTED_VERSIONS", "unpad", "graphed"]
 
 SUPPORTED_VERSIONS = ">=5.0,<6"
 
@@ -62,6 +62,7 @@ SUPPORTED_VERSIONS = ">=5.0,<6"
 DROPOUT = "dropout in training"
 POSITION_BIAS = "position_bias"
 WINDOW_LAYOUT = "sliding window on a non-causal call with more keys than queries"
+SHORT_WINDOW = "sliding window shorter than a sequence"  # graph mode's (hf_graphs.py): no window in a graph
 NOT_RAGGED = "non-ragged attention mask"
 COMPILED_4D_MASK = "4-D mask under torch.compile (checked for a ragged pattern only in eager)"
 OUTPUT_ATTENTIONS = "output_attentions"
@@ -73,7 +74,7 @@ OFF_INTERFACE = "model class not on transformers' attention interface"
 
 # The README's table of what falls back.
 FALLBACKS = (
-    DROPOUT, POSITION_BIAS, WINDOW_LAYOUT, NOT_RAGGED, COMPILED_4D_MASK, OUTPUT_ATTENTIONS,
+    DROPOUT, POSITION_BIAS, WINDOW_LAYOUT, SHORT_WINDOW, NOT_RAGGED, COMPILED_4D_MASK, OUTPUT_ATTENTIONS,
     HEAD_DIMS_DIFFER, HEADS_NOT_GROUPED, UNSUPPORTED, OFF_INTERFACE,
 )
 
@@ -712,3 +713,4 @@ def _window_covers(layout: _Segments, window: int, compiling: bool) -> bool:
 
 
 from .hf_unpad import unpad  # noqa: E402  (padded calls as one packed row; see hf_unpad.py)
+from .hf_graphs import graphed  # noqa: E402  (CUDA graphs over (batch, length) buckets; see hf_graphs.py)

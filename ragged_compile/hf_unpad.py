@@ -351,7 +351,8 @@ def _static_reason(state, call, ctx) -> str | None:
         return "attention dropout in training"
     mask = call.get("attention_mask")
     ref = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
-    if not isinstance(mask, torch.Tensor) or ref is None or mask.dim() != 2 or tuple(mask.shape) != tuple(ref.shape[:2]):
+    if (not isinstance(mask, torch.Tensor) or ref is None or mask.dim() != 2
+            or tuple(mask.shape) != tuple(ref.shape[:2])):
         return "attention_mask is not a 2-D padding mask"
     b, s = mask.shape
     for k, v in call.items():
@@ -384,7 +385,8 @@ def _head_checks(state, call, ctx, valid):
             last = (idx * (ids != pad).to(torch.int32)).argmax(-1)
         checks.append(valid[torch.arange(b, device=valid.device), last].all())
     labels = ctx.get("labels") if ctx is not None else None
-    if head.labels is not None and isinstance(labels, torch.Tensor) and labels.dim() == 2 and tuple(labels.shape) == (b, s):
+    per_token = isinstance(labels, torch.Tensor) and labels.dim() == 2 and tuple(labels.shape) == (b, s)
+    if head.labels is not None and per_token:
         labels = labels.to(valid.device)
         if head.labels == "shifted":
             label_checks.append(((labels[:, 1:] == IGNORE_INDEX) | valid[:, :-1]).all())

@@ -47,6 +47,7 @@ from torch.nested._internal.nested_tensor import (
     NestedTensor,
     nested_view_from_values_offsets_lengths,
 )
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.ragged_compile.ragged_attention)
 from .backends.select import training_reason, unsupported_reason
@@ -126,25 +127,65 @@ def _compiling_for() -> tuple[bool, bool]:
 
     Dynamo keeps the frame it is translating in a thread-local while it builds
     the graph and while the backend (AOTAutograd) traces it; its output graph
-    holds the backend it compiles for, possibly wrapped (debug wrappers,
-    ``torch.compile``'s own), so the wrappers are unwound.
+    holds the backend it compiles for, possibly wrapped, so the wrappers are
+    unwound (:func:`_is_ours`).
     """
     tx = getattr(_dynamo_tx.tls, "current_tx", None)
     if tx is None:
         return False, False
-    fn = getattr(getattr(tx, "output", None), "compiler_fn", None)
-    for _ in range(8):
-        if fn is None:
-            break
-        if getattr(fn, "_ragged_compile_backend", False):
-            return True, True
-        fn = (
-            getattr(fn, "_torchdynamo_orig_backend", None)
-            or getattr(fn, "compiler_fn", None)
-            or getattr(fn, "__wrapped__", None)
-            or getattr(fn, "func", None)
-        )
-    return True, False
+    return True, _is_ours(getattr(getattr(tx, "output", None), "compiler_fn", None))
+
+
+# Where Dynamo's backend wrappers keep the backend they wrap:
+# ``_torchdynamo_orig_backend`` (convert-frame callbacks, ``WrapBackendDebug``),
+# ``compiler_fn`` (``_TorchCompileWrapper``), ``backend_compile_fn`` (the
+# ``DDPOptimizer`` behind a bound ``compile_fn``, reached through ``__self__``),
+# ``backend`` (``WrapperBackend`` of ``verify_correctness``), ``compiler``
+# (``SubmodCompiler``), ``__wrapped__`` (``functools.wraps``, the per-graph
+# inductor-config override), ``func`` (``functools.partial``).
+_WRAPPED_ATTRS = (
+    "_torchdynamo_orig_backend", "compiler_fn", "backend_compile_fn", "backend", "compiler",
+    "__wrapped__", "func", "__self__",
+)
+_MAX_WRAPPERS = 64  # objects visited per lookup: wrapper chains are a handful deep
+
+
+def _is_ours(fn: object) -> bool:
+    """Whether ``fn`` is our backend or wraps it, through any of Dynamo's wrappers.
+
+    A bounded breadth-first walk over the attributes above and, for plain
+    function wrappers that record nothing, the callables their closures hold.
+    Attribute look-ups that raise count as absent: a foreign backend can never
+    make a compile fail here, only keep stock attention.
+    """
+    queue, seen = [fn], set()
+    while queue and len(seen) < _MAX_WRAPPERS:
+        obj = queue.pop(0)
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, type):
+            continue  # a class is not a backend, and its attributes are not wrapped ones
+        try:
+            if getattr(obj, "_ragged_compile_backend", False) is True:
+                return True
+        except Exception:
+            continue
+        for attr in _WRAPPED_ATTRS:
+            try:
+                inner = getattr(obj, attr, None)
+            except Exception:
+                continue
+            if inner is not None and not isinstance(inner, (str, bytes, int, float, type)):
+                queue.append(inner)
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                inner = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if callable(inner) and not isinstance(inner, type):
+                queue.append(inner)
+    return False
 
 
 @functools.lru_cache(1)
@@ -242,6 +283,39 @@ def _stock_reason(query, key, value, attn_mask, is_causal, enable_gqa) -> str | 
     return None
 
 
+# What the latest eager forward on an offsets tensor ran (ours or stock), for
+# activation-checkpoint recomputes: see _eager_decision.
+_FORWARD_RAN = WeakTensorKeyDictionary()
+# The autograd graph task running on this thread, -1 outside a backward pass.
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def _eager_decision(query) -> bool:
+    """Whether an eager call runs on our op: :func:`enable`'s context, except in a
+    backward, where an activation-checkpoint recompute runs what its forward ran.
+
+    ``torch.utils.checkpoint`` (``use_reentrant`` True or False) recomputes the
+    forward during ``backward()``, typically outside the ``enable()`` block the
+    forward ran in, and on CUDA on autograd's own thread, whose context never
+    saw it. Stock NJT SDPA there would compute other values (or, on CPU, fail),
+    and non-reentrant checkpointing rejects their metadata. So every eager
+    forward call records its decision under its query offsets (weakly: the entry
+    goes with the tensor), and a call inside a backward pass whose offsets a
+    forward recorded makes the same decision. The recompute sees the forward's
+    offsets tensor itself: checkpoint saves the NJT inputs, and NJT ops pass
+    offsets along. Offsets built anew inside the checkpointed function are
+    unknown in the backward and follow the context, as before.
+    """
+    enabled = _ENABLED.get()
+    offsets = getattr(query, "_offsets", None)
+    if not isinstance(offsets, Tensor):
+        return enabled
+    if _graph_task_id() == -1:  # not in a backward: a forward
+        _FORWARD_RAN[offsets] = enabled
+        return enabled
+    return _FORWARD_RAN.get(offsets, enabled)
+
+
 # Dynamo never traces into the handler (NJT SDPA is one graph node whose fake
 # propagation calls it), but after a graph break in a plain torch.compile it would
 # compile the handler's own frame when it runs eagerly: skip it.
@@ -263,7 +337,7 @@ def _ragged_sdpa(
     )
     compiling, ours = _compiling_for()
     if not compiling:
-        ours = _ENABLED.get()
+        ours = _eager_decision(query)
     elif not ours and _ENABLED.get():
         _note(
             logging.WARNING,

@@ -36,6 +36,8 @@ a fake kernel, ``register_autograd``.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .backends import cpu as cpu_kernel
@@ -137,7 +139,12 @@ def ragged_attention(
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__module__}.{type(causal).__name__}")
     if scale is None:
-        scale = q.shape[-1] ** -0.5
+        head_dim = q.shape[-1]
+        if torch.jit.is_tracing():  # a traced size is a 0-d tensor; the trace keeps this head dim's scale
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                head_dim = int(head_dim)
+        scale = head_dim ** -0.5
     left, right, softcap = check_variants(q, window_size, softcap, sinks)
     if causal:
         right = -1  # causal caps right at 0 itself
@@ -259,6 +266,7 @@ def _undispatched(q, k, v) -> bool:
         and not torch._C._is_torch_function_mode_enabled()
         and not torch.autograd._profiler_enabled()
         and not torch._C._are_functorch_transforms_active()
+        and not torch.jit.is_tracing()  # a trace must record the op, which checks at every run
     )
 
 

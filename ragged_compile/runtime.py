@@ -23,6 +23,8 @@ import torch
 from . import config
 from .backends import flashinfer as fi
 from .backends import select
+from .backends.cpu import cpu_attention
+from .reference import reference_attention
 from .logs import warn_once
 from .steps import (
     IMPLICIT_LAYOUTS, HostLayout, ImplicitStep, OffsetsCache, PlannedStep, Step, activate, current_step, tensor_version,
@@ -66,7 +68,7 @@ class Runtime:
 
     ``stats`` counts ``plans``, ``syncs`` (device-to-host reads of offsets),
     ``waits`` (a plan that had to wait for an earlier plan's copy),
-    ``flashinfer`` and ``reference`` calls.
+    ``flashinfer``, ``reference`` and (a CPU runtime's) ``cpu`` calls.
 
     One runtime may serve many threads: steps are per thread, and a wrapper is
     planned by one step at a time. Wrappers used on different CUDA streams get
@@ -133,7 +135,17 @@ class Runtime:
             declared.append(lay)
             if seq_lens_k is not None:
                 declared += [HostLayout(lay.cu_q, lay.cu_q), HostLayout(lay.cu_k, lay.cu_k)]
-        step = PlannedStep(self, declared)
+        with self.run_step(PlannedStep(self, declared)) as step:
+            yield step
+
+    @contextmanager
+    def run_step(self, step: PlannedStep):
+        """Scope one forward in ``step``, a :class:`~ragged_compile.steps.PlannedStep`
+        of this runtime made by the caller (a subclass that finds layouts its own
+        way: hf_graphs.py): active on this thread inside, its wrappers given back
+        at the end, as :meth:`step`."""
+        if step.runtime is not self:
+            raise ValueError("run_step takes a step of this runtime")
         try:
             with activate(step):
                 yield step
@@ -198,6 +210,13 @@ class Runtime:
                 f"q is on {q.device} but this runtime serves {self.device}; use "
                 f"rc.Runtime({str(q.device)!r}) for it"
             )
+        if q.device.type != "cuda":
+            # A CPU runtime plans nothing: the op's CPU kernel (or, for float64, the reference) runs.
+            kernel = select.forward_kernel(q.device, q.dtype, q.shape[-1])
+            self.count(kernel)
+            self.last_backend = kernel
+            run = cpu_attention if kernel == "cpu" else reference_attention
+            return run(q, k, v, cu_q, cu_k, causal, scale)
         step = self._step_for(cu_q, cu_k)
         if step is None:  # offsets that cannot be checked for edits: a step per call
             with self.step():
@@ -270,7 +289,7 @@ class Runtime:
             self.last_backend = hit[2]
             return hit[0]
         backend = select.flashinfer_backend(
-            self.backend, self.device, layout.n, layout.total_k,
+            self.backend, self.device, max(layout.active, 1), layout.active_k,
             hq=hq, hkv=hkv, head_dim=d, causal=causal,
         )
         self.last_backend = backend

@@ -197,8 +197,13 @@ class HostLayout:
         self.n = self.cu_q.numel() - 1
         self.total_q = int(self.cu_q[-1])
         self.total_k = int(self.cu_k[-1])
+        lens_q, lens_k = self.cu_q[1:] - self.cu_q[:-1], self.cu_k[1:] - self.cu_k[:-1]
         # the training backward's grid sizes, read here so it never syncs
-        self.max_lens = tuple(int((cu[1:] - cu[:-1]).max()) if self.n else 0 for cu in (self.cu_q, self.cu_k))
+        self.max_lens = tuple(int(lens.max()) if self.n else 0 for lens in (lens_q, lens_k))
+        # segments with work on both sides: padded layouts carry empty ones that the
+        # kernel choice, fitted on layouts without them, must not count
+        active = (lens_q > 0) & (lens_k > 0)
+        self.active, self.active_k = int(active.sum()), int(lens_k[active].sum())
         self._device_cu: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod

@@ -44,6 +44,18 @@ def set_debug_checks(enabled: bool) -> None:
     _DEBUG = bool(enabled)
 
 
+def _tracing() -> bool:
+    """Whether ``torch.jit.trace`` is recording this call.
+
+    Sizes of traced tensors are then 0-d tensors, and turning one into a Python
+    bool or int records a constant in place of the size (a ``TracerWarning``).
+    Checks of sizes and values are skipped here: the trace records the op, and
+    the op's kernel, which tracing runs on plain tensors, checks them again, now
+    on the example inputs and at every run of the trace, with the same messages.
+    """
+    return torch.jit.is_tracing()
+
+
 def _check_cu_meta(cu: torch.Tensor, name: str, device: torch.device) -> None:
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32/int64 offsets, got {type(cu).__name__}")
@@ -56,7 +68,7 @@ def _check_cu_meta(cu: torch.Tensor, name: str, device: torch.device) -> None:
         raise ValueError(
             f"{name} must be 1-D of shape [num_segments + 1], got shape {tuple(cu.shape)}"
         )
-    if cu.shape[0] < 1:
+    if not _tracing() and cu.shape[0] < 1:
         raise ValueError(f"{name} must hold at least one offset (the leading 0), got an empty tensor")
     if cu.device != device:
         raise ValueError(
@@ -71,6 +83,8 @@ def _plainly_valid(q, k, v, cu_q, cu_k, scale) -> bool:
     """The common valid call, recognised in a few microseconds: plain tensors (no
     subclass, no fake or symbolic sizes) that pass every check of
     :func:`check_inputs`. Anything else takes the full checks, which say what is wrong."""
+    if torch.compiler.is_compiling():
+        return False  # symbolic sizes and scales: the full checks trace, these would guard
     if not (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
             and type(cu_q) is _Tensor and type(cu_k) is _Tensor) or q.is_nested or k.is_nested or v.is_nested:
         return False
@@ -89,6 +103,30 @@ def _plainly_valid(q, k, v, cu_q, cu_k, scale) -> bool:
     )
 
 
+def _check_qkv_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
+        raise ValueError(
+            f"k and v must have the same [tokens, heads], got k={tuple(k.shape)}, v={tuple(v.shape)}"
+        )
+    if k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2]:
+        raise ValueError(
+            f"q, k and v must share head_dim, got q={q.shape[2]}, k={k.shape[2]}, v={v.shape[2]}"
+        )
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq == 0:
+        raise ValueError(
+            f"q has 0 heads (shape {tuple(q.shape)}); q must be [tokens, heads, head_dim] with "
+            f"heads >= 1: check the reshape of the query projection"
+        )
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"q heads ({hq}) must be a positive multiple of k/v heads ({hkv}) for GQA/MQA; "
+            f"repeat or regroup the k/v heads"
+        )
+    if q.shape[2] == 0:
+        raise ValueError("head_dim must be positive, got 0")
+
+
 def check_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -98,7 +136,8 @@ def check_inputs(
     scale: float | None,
 ) -> None:
     """Check everything that can be checked without reading tensor values."""
-    if _plainly_valid(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
+    tracing = _tracing()
+    if not tracing and _plainly_valid(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
         return
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -129,30 +168,11 @@ def check_inputs(
         raise ValueError(
             f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}"
         )
-    if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
-        raise ValueError(
-            f"k and v must have the same [tokens, heads], got k={tuple(k.shape)}, v={tuple(v.shape)}"
-        )
-    if k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2]:
-        raise ValueError(
-            f"q, k and v must share head_dim, got q={q.shape[2]}, k={k.shape[2]}, v={v.shape[2]}"
-        )
-    hq, hkv = q.shape[1], k.shape[1]
-    if hq == 0:
-        raise ValueError(
-            f"q has 0 heads (shape {tuple(q.shape)}); q must be [tokens, heads, head_dim] with "
-            f"heads >= 1: check the reshape of the query projection"
-        )
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(
-            f"q heads ({hq}) must be a positive multiple of k/v heads ({hkv}) for GQA/MQA; "
-            f"repeat or regroup the k/v heads"
-        )
-    if q.shape[2] == 0:
-        raise ValueError("head_dim must be positive, got 0")
+    if not tracing:
+        _check_qkv_sizes(q, k, v)
     _check_cu_meta(cu_seqlens_q, "cu_seqlens_q", q.device)
     _check_cu_meta(cu_seqlens_k, "cu_seqlens_k", q.device)
-    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+    if not tracing and cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ValueError(
             f"cu_seqlens_q has {cu_seqlens_q.shape[0] - 1} segments but cu_seqlens_k has "
             f"{cu_seqlens_k.shape[0] - 1}; segment i of q attends segment i of k/v, so both "
@@ -182,6 +202,8 @@ def check_cu_seqlens_values(
         except TypeError:
             raise TypeError(f"{arg} must be an int or None, got {type(max_seqlen).__name__}") from None
     cu = cu.to("cpu", torch.int64)
+    if _tracing():  # the op's kernel checks the offsets (see _tracing); max_seqlen never changes the result
+        return cu[1:] - cu[:-1]
     if cu.numel() and int(cu[0]) != 0:
         raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}; offsets start at the first token")
     lens = cu[1:] - cu[:-1]

@@ -1,7 +1,8 @@
 """FlashInfer's plan/run replaced, for CPU tests of the runtime's host logic
 (wrapper pool, slot ownership, steps, plan reuse, the training LSE).
 
-A wrapper records the layout it was planned for; ``run`` computes the reference
+A wrapper records the layout it was planned for (graph-mode wrappers too: their
+static buffers are ignored); ``run`` computes the reference
 output and ``run_with_lse`` also FlashInfer's LSE convention (``[Tq, Hq]``,
 base 2, ``-inf`` for keyless rows) from the *planned* layout, so a stale or
 shared plan shows up as a wrong result.
@@ -61,5 +62,8 @@ def install(monkeypatch) -> list[Wrapper]:
     monkeypatch.setattr(fi, "run", lambda w, q, k, v: w.run(q, k, v))
     monkeypatch.setattr(fi, "run_with_lse", run_with_lse)
     monkeypatch.setattr(select, "flashinfer_backend", lambda requested, *a, **kw: "fa2")
+    # graph mode's double-buffered pinned plan buffer (cudagraph.py)
+    monkeypatch.setattr(fi, "staging_buffer", lambda w: torch.zeros(8, dtype=torch.uint8))
+    monkeypatch.setattr(fi, "set_staging_buffer", lambda w, buf: None)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     return wrappers

@@ -58,3 +58,26 @@ def test_gqa_between_measured_group_sizes_is_monotone(sm90):
     # group 2 lies between groups 1 and 4 on short segments
     r1, r2, r4 = (select.predicted_fa3_over_fa2(63, 16, hkv, 128, False) for hkv in (16, 8, 4))
     assert min(r1, r4) <= r2 <= max(r1, r4)
+
+
+def test_padded_layouts_are_judged_by_their_active_segments(monkeypatch):
+    """A padded batch's layout carries empty segments ([pad | tokens | pad] per row):
+    the kernel choice sees the segments with work on both sides and their keys only."""
+    import _fake_flashinfer
+
+    import ragged_compile as rc
+    from ragged_compile.steps import HostLayout
+
+    q_lens, k_lens = [0, 512, 0, 0, 512, 0], [100, 300, 112, 88, 400, 24]
+    cu = lambda lens: torch.tensor([0] + lens).cumsum(0).to(torch.int32)  # noqa: E731
+    lay = HostLayout(cu(q_lens), cu(k_lens))
+    assert (lay.n, lay.active, lay.active_k) == (6, 2, 700)
+    _fake_flashinfer.install(monkeypatch)
+    seen = []
+    monkeypatch.setattr(select, "flashinfer_backend", lambda req, dev, n, total_k, **kw: seen.append((n, total_k)) or "fa2")
+    rt = rc.Runtime("cpu", backend="fa2", workspace_bytes=64)
+    q = torch.randn(1024, 2, 8)
+    k = torch.randn(1024, 2, 8)
+    with rt.step(q_lens, k_lens) as step:
+        step.attention(q, k, k, cu(q_lens), cu(k_lens), False, 0.3)
+    assert seen == [(2, 700)]

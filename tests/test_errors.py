@@ -147,17 +147,19 @@ def test_the_torchscript_fix_in_the_message_works():
 # -- Runtime on a CPU-only build ----------------------------------------------------
 
 
-def test_runtime_without_cuda_is_a_cpu_runtime_that_runs_the_reference():
+def test_runtime_without_cuda_is_a_cpu_runtime_that_runs_the_cpu_kernel():
     if torch.cuda.is_available():
         rt = rc.Runtime("cpu")
     else:
         rt = rc.Runtime()
     assert rt.device == torch.device("cpu")
-    q, k, v, cq, ck = _inputs([3, 0, 4], [2, 2, 1])
-    with rt.step([3, 0, 4], [2, 2, 1]):
-        out = rt.attention(q, k, v, cq, ck, True, 0.3)
-    torch.testing.assert_close(out, rc.ragged_attention(q, k, v, cq, ck, causal=True, scale=0.3))
-    assert rt.stats["reference"] == 1 and rt.stats["plans"] == 0
+    for dtype, kernel in ((torch.float32, "cpu"), (torch.float64, "reference")):
+        q, k, v, cq, ck = _inputs([3, 0, 4], [2, 2, 1], dtype=dtype)
+        with rt.step([3, 0, 4], [2, 2, 1]):
+            out = rt.attention(q, k, v, cq, ck, True, 0.3)
+        torch.testing.assert_close(out, rc.ragged_attention(q, k, v, cq, ck, causal=True, scale=0.3))
+        assert rt.last_backend == kernel
+    assert rt.stats["cpu"] == 1 and rt.stats["reference"] == 1 and rt.stats["plans"] == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a build or machine without CUDA")

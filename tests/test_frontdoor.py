@@ -22,43 +22,11 @@ from torch import nn
 from torch._inductor import config as inductor_config
 
 import ragged_compile
-from ragged_compile import compiler, njt as rc_njt, ops as rc_ops, passes
+from ragged_compile import compiler, logs, njt as rc_njt, passes
 
 E, H = 32, 4
 counters = torch._dynamo.utils.counters
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    counters.clear()
-    with inductor_config.patch(force_disable_caches=True):
-        yield
-
-
-class _Counter(threading.local):
-    n = 0
-
-
-@pytest.fixture
-def ours(monkeypatch):
-    """Calls of our op's kernel on this thread (``ours.n``)."""
-    count = _Counter()
-
-    def spying(real):
-        def spy(*args, **kwargs):
-            count.n += 1
-            return real(*args, **kwargs)
-
-        return spy
-
-    # The op's CPU kernels: the fused CPU kernel (inference op and, with grad,
-    # the LSE pair of ops.py) and the reference (float64).
-    from ragged_compile.backends import cpu as cpu_kernel
-
-    monkeypatch.setattr(rc_ops, "reference_attention", spying(rc_ops.reference_attention))
-    monkeypatch.setattr(cpu_kernel, "cpu_attention", spying(cpu_kernel.cpu_attention))
-    return count
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 class MHA(nn.Module):
@@ -173,7 +141,7 @@ def test_plain_compile_inside_enable_keeps_stock_graphs(ours, caplog, monkeypatc
     (warned), so its cached code runs the same outside. On CPU stock NJT SDPA
     cannot be traced, so the call graph-breaks and runs eagerly, inside enable()
     on our op like any eager code."""
-    monkeypatch.setattr(rc_njt, "_seen", set())
+    monkeypatch.setattr(logs, "_seen", set())
     x = njt([3, 5, 2], E)
     with torch.no_grad(), caplog.at_level(logging.WARNING, "ragged_compile"):
         plain = torch.compile(MHA(), backend="aot_eager")
@@ -403,7 +371,7 @@ class DropoutLayer(nn.Module):
 
 
 def test_dropout_training_compiles_fullgraph_and_trains(caplog, monkeypatch):
-    monkeypatch.setattr(rc_njt, "_seen", set())
+    monkeypatch.setattr(logs, "_seen", set())
     layer = DropoutLayer().train()
     compiled = ragged_compile.compile(layer, fullgraph=True, backend="aot_eager")
     x = njt([3, 6, 1], E)

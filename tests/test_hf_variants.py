@@ -303,3 +303,22 @@ def test_classes_on_the_interface_say_nothing(caplog):
         model.set_attn_implementation(NAME)
         transformers.MistralForCausalLM._from_config(model.config, attn_implementation=NAME)
     assert "ragged_compile" not in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "modernbert"])
+def test_graph_mode_keeps_softcap_and_sinks(kind):
+    """hf.graphed (on CPU: its bookkeeping without a capture): softcap and sinks reach
+    the op; windows shorter than a bucket run the model's eager attention."""
+    model = _family(kind, 4)
+    ids = torch.randint(2, 62, (3, 12))
+    mask = pad_mask([12, 5, 9], 12)
+    kw = dict(input_ids=ids * mask, attention_mask=mask)
+    if kind != "modernbert":
+        kw["use_cache"] = False
+    with torch.no_grad():
+        ref = _out(model, **kw)
+    g = hf.graphed(model, [(4, 16)])
+    with torch.no_grad():
+        out = _out(g, **kw)
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], ref[valid], rtol=TOL, atol=TOL)

@@ -13,6 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 from _hf_common import pad_mask  # noqa: E402
 from ragged_compile import hf, hf_unpad, logs  # noqa: E402
+from test_hf import pad_mask  # noqa: E402
+from test_host_reads import HostReads  # noqa: E402  (scalar reads outside our op)
 
 NAME = hf.register()
 OURS = (torch.ops.ragged_compile.ragged_attention.default, torch.ops.ragged_compile.ragged_attention_lse.default)
@@ -35,7 +37,6 @@ class Tokens(TorchDispatchMode):
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
     logs._seen.clear()
-
 
 
 # -- models -----------------------------------------------------------------------------
@@ -656,8 +657,8 @@ def test_sentence_transformers_encode(tmp_path, family, pooling):
 
 
 def _cuda_model(family, suffix, **extra):
-    # head dim 64 (FlashInfer's), bf16
-    kw = dict(hidden_size=256, intermediate_size=512, **extra)
+    # head dim 64 (FlashInfer's), bf16; positions for 64 tokens after RoBERTa's padding_idx + 1 offset
+    kw = dict(hidden_size=256, intermediate_size=512, max_position_embeddings=130, **extra)
     if family == "qwen3":
         kw["head_dim"] = 64
     return build(family, suffix, **kw).cuda().bfloat16()
@@ -771,21 +772,6 @@ def test_cuda_compiled_across_layouts():
             ref = ref_model(**kw, use_cache=False).logits
             valid = kw["attention_mask"].bool()
             torch.testing.assert_close(out[valid].float(), ref[valid].float(), atol=5e-2, rtol=5e-2)
-
-
-class HostReads(TorchDispatchMode):
-    """Scalar reads (item / bool / equal) outside our op, as tests/test_host_reads.py."""
-
-    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
-             torch.ops.aten.is_nonzero.default, torch.ops.aten.item.default}
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func in self.READS
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("family,suffix,left,others", [("bert", "Model", False, 0), ("roberta", "ForMaskedLM", True, 0),

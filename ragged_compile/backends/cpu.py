@@ -365,6 +365,20 @@ def _with_sinks(o, l, sink):
     return o * torch.sigmoid(l - sink)[..., None], torch.logaddexp(l, sink)
 
 
+def _positive_scale(q, scale):
+    """``(q, scale)`` with the same scores and ``scale > 0``.
+
+    The fused kernel applies ``is_causal``'s ``-inf`` before scaling, so a scale
+    <= 0 turns masked scores into +inf or NaN. Negation is exact, so ``(-q, -scale)``
+    gives the same scores bit for bit; scale 0 gives zero scores, as zero q does.
+    """
+    if scale > 0:
+        return q, scale
+    if scale < 0:
+        return -q, -scale
+    return torch.zeros_like(q), 1.0
+
+
 def cpu_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, return_lse=False, *, window_size=(-1, -1), sinks=None):
     """Ragged attention on CPU; same contract as the op (arguments assumed valid).
 
@@ -375,6 +389,7 @@ def cpu_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, return_lse
     """
     Tq, Hq, D = q.shape
     p = plan(cu_seqlens_q, cu_seqlens_k, causal, Hq, k.shape[1], D, window_size)
+    q, scale = _positive_scale(q, scale)
     qf, kf, vf = _prepare(q), _prepare(k), _prepare(v)
     sink = _sink_rows(sinks)
     lse = torch.full((Tq, Hq), math.inf) if return_lse else None
@@ -404,6 +419,8 @@ def cpu_attention_backward(
     """
     Tq, Hq, D = q.shape
     p = plan(cu_seqlens_q, cu_seqlens_k, causal, Hq, k.shape[1], D, window_size)
+    sign = 1.0 if scale > 0 else -1.0 if scale < 0 else 0.0  # dq of the q _positive_scale gives
+    q, scale = _positive_scale(q, scale)
     qf, kf, vf, gf = _prepare(q), _prepare(k), _prepare(v), _prepare(grad_out)
     sink = _sink_rows(sinks)
     if out is not None:
@@ -430,5 +447,7 @@ def cpu_attention_backward(
         _scatter(dq, gq, c.q)
         _scatter(dk, gk, c.k, accumulate=p.shared_keys)
         _scatter(dv, gv, c.k, accumulate=p.shared_keys)
+    if sign != 1.0:
+        dq.mul_(sign)
     grads = dq, dk.to(k.dtype), dv.to(v.dtype)
     return grads if sinks is None else grads + (dsinks.to(sinks.dtype),)

@@ -930,7 +930,8 @@ def attention_inputs(
         options: any other keyword of :func:`attention_cases`, with the same
             names and defaults: ``head_dims``, ``gqa_ratios`` (``(1,)``: no
             GQA/MQA), ``causal`` (``None`` draws both), ``cross``,
-            ``max_segments``, ``max_elements``, ...
+            ``max_segments``, ``max_elements``, the variants ``window_size``,
+            ``softcap``, ``sinks`` (off unless asked for), ...
 
     >>> from hypothesis import given
     >>> @given(inputs=testing.attention_inputs(head_dims=(64, 72, 80, 96)))

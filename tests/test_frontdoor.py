@@ -509,7 +509,7 @@ def _cuda_pair():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_plain_first_then_rc_runs_our_op():
-    """Issue 10 item 1, reverse direction: torch.compile(stock model) first, then
+    """Reverse direction: torch.compile(stock model) first, then
     ragged_compile.compile(model of the same class) must compile its own graph on our op."""
     from torch._inductor.utils import run_and_get_code
 

@@ -734,3 +734,30 @@ def test_public_op_with_nonpositive_causal_scale_matches_the_oracle(scale):
     _, dq, dk, dv = dense_gradients(g, q, k, v, cq, ck, True, scale)
     for t, want_grad in zip(leaves, (dq, dk, dv)):
         torch.testing.assert_close(t.grad.double(), want_grad, atol=1e-4, rtol=1e-4)
+
+
+def test_export_records_the_inference_op_under_no_grad_and_the_training_op_with_grad():
+    """What the README says of torch.export: under no_grad the exported program runs the
+    inference op; with grad-requiring parameters, the training op (its fused backward
+    needs the LSE)."""
+    import ragged_compile as rc
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(32, 32)
+
+        def forward(self, x, cu):
+            h = self.proj(x).view(-1, 4, 8)
+            return rc.ragged_attention(h, h, h, cu)
+
+    x, cu = torch.randn(10, 32), torch.tensor([0, 3, 10], dtype=torch.int32)
+    found = {}
+    for name, ctx in (("grad", torch.enable_grad), ("no_grad", torch.no_grad)):
+        with ctx():
+            ep = torch.export.export(M(), (x, cu))
+        found[name] = [str(n.target) for n in ep.graph.nodes if "ragged_compile" in str(n.target)]
+    assert found == {
+        "grad": ["ragged_compile.ragged_attention_lse.default"],
+        "no_grad": ["ragged_compile.ragged_attention.default"],
+    }

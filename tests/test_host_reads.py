@@ -14,13 +14,13 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import _fake_flashinfer
 import ragged_compile as rc
 
 transformers = pytest.importorskip("transformers")
 
+from _hf_common import Count  # noqa: E402
 from ragged_compile import hf  # noqa: E402
 
 NAME = hf.register()
@@ -32,17 +32,9 @@ _READS = {
 }
 
 
-class HostReads(TorchDispatchMode):
+def HostReads() -> Count:
     """Scalar reads of tensors, outside our op (a mode is off inside the ops it sees)."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _READS:
-            self.n += 1
-        return func(*args, **(kwargs or {}))
+    return Count(_READS)
 
 
 def _model(kind, device="cpu"):

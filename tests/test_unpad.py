@@ -13,7 +13,6 @@ transformers = pytest.importorskip("transformers")
 
 from _hf_common import pad_mask  # noqa: E402
 from ragged_compile import hf, hf_unpad, logs  # noqa: E402
-from test_hf import pad_mask  # noqa: E402
 from test_host_reads import HostReads  # noqa: E402  (scalar reads outside our op)
 
 NAME = hf.register()

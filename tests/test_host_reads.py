@@ -20,7 +20,7 @@ import ragged_compile as rc
 
 transformers = pytest.importorskip("transformers")
 
-from _hf_common import Count  # noqa: E402
+from _hf_common import Count, pad_mask  # noqa: E402
 from ragged_compile import hf  # noqa: E402
 
 NAME = hf.register()
@@ -56,12 +56,7 @@ def _model(kind, device="cpu"):
 
 
 def _batch(lengths, s, left=False, device="cpu"):
-    mask = torch.zeros(len(lengths), s, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        if left:
-            mask[i, s - n:] = 1
-        else:
-            mask[i, :n] = 1
+    mask = pad_mask(lengths, s, left)
     ids = torch.randint(1, 63, (len(lengths), s))
     return ids.to(device), mask.to(device)
 

@@ -52,7 +52,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from . import ops as _ops  # noqa: F401  (registers torch.ops.ragged_compile.ragged_attention)
 from .backends.select import training_reason, unsupported_reason
 from .logs import log, warn_once
-from .ops import attention
+from .ops import attention, autocast_inputs
 
 __all__ = ["enable", "is_enabled"]
 
@@ -346,10 +346,7 @@ def _ragged_sdpa(
         )
     if not ours:
         return stock()
-    if torch.is_autocast_enabled(query.device.type):
-        # As stock SDPA under autocast: q, k and v in autocast's dtype.
-        dtype = torch.get_autocast_dtype(query.device.type)
-        query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
+    query, key, value = autocast_inputs(query, key, value)  # as stock SDPA under autocast
     reason = _stock_reason(query, key, value, attn_mask, is_causal, enable_gqa)
     if reason is None and dropout_p > 0.0:
         if query.device.type == "cpu":

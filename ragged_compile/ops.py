@@ -48,7 +48,7 @@ from .validation import (
     check_cu_seqlens_values, check_inputs, check_meta, check_values, check_variants, check_variants_meta, debug_checks,
 )
 
-__all__ = ["ragged_attention", "attention"]
+__all__ = ["ragged_attention", "attention", "autocast_inputs"]
 
 
 def ragged_attention(
@@ -132,7 +132,7 @@ def ragged_attention(
         cu_seqlens_k = cu_seqlens_q
         if max_seqlen_k is None:
             max_seqlen_k = max_seqlen_q
-    q, k, v = _autocast(q, k, v)
+    q, k, v = autocast_inputs(q, k, v)
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
     if type(causal).__module__ == "numpy" and type(causal).__name__ == "bool":
         causal = bool(causal)
@@ -193,13 +193,12 @@ def attention(
     dispatch or function mode, no profiler, plain tensors) runs the same kernels
     without the dispatcher, whose custom-op and autograd layers cost more host
     time than the kernel launch on small batches. ``checked``: the caller ran
-    ``check_inputs`` (and ``check_variants``). Variant calls (``window_size``,
-    ``softcap``, ``sinks``) always go through the dispatcher.
+    ``check_inputs`` (and ``check_variants``). Callers cast for autocast first
+    (:func:`autocast_inputs`), as the checks need the cast dtypes. Variant calls
+    (``window_size``, ``softcap``, ``sinks``) always go through the dispatcher.
     """
     if sinks is not None or softcap or window_size[0] >= 0 or window_size[1] >= 0:
         return _variant_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, checked, window_size, softcap, sinks)
-    if not checked:
-        q, k, v = _autocast(q, k, v)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     direct = q.is_cuda and _undispatched(q, k, v)
     if direct and not checked:
@@ -217,7 +216,6 @@ def attention(
 
 def _variant_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, checked, window_size, softcap, sinks):
     if not checked:
-        q, k, v = _autocast(q, k, v)
         check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
         window_size = check_variants(q, window_size, softcap, sinks)[:2]
     left, right = window_size
@@ -247,9 +245,10 @@ def _dsinks_fake(q, sinks):
 _Tensor = torch.Tensor
 
 
-def _autocast(q, k, v):
+def autocast_inputs(q, k, v):
     """Under ``torch.autocast`` for q's device, q, k and v in its dtype, as SDPA (a
-    lower-precision op of autocast's) takes them; otherwise unchanged."""
+    lower-precision op of autocast's) takes them; otherwise unchanged. Plain or
+    nested tensors."""
     if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
         dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))

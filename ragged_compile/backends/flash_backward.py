@@ -28,7 +28,7 @@ import torch
 
 from . import pad_head_dim
 
-__all__ = ["available", "unsupported_reason", "fa2_head_dim", "lse_from_flashinfer", "backward"]
+__all__ = ["unsupported_reason", "fa2_head_dim", "lse_from_flashinfer", "backward"]
 
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16)
@@ -63,10 +63,6 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) 
     if major < 8:
         return f"FlashAttention-2 needs SM80 or newer, this GPU is SM{major}{minor}"
     return None
-
-
-def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    return unsupported_reason(device, dtype, head_dim) is None
 
 
 def fa2_head_dim(d: int) -> int:

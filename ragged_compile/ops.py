@@ -161,9 +161,11 @@ def ragged_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale), checked=True,
             window_size=(left, right), softcap=softcap, sinks=sinks,
         )
-    # Under a torch.func transform (grad, vjp, jacrev, vmap), eager or traced by
-    # torch.compile: the Function torch.library makes for register_autograd has no
-    # setup_context, which functorch needs.
+    if torch.compiler.is_compiling() and _differentiating_transform():
+        raise RuntimeError(_NO_COMPILED_FUNC_GRAD)
+    # Under a torch.func transform (grad, vjp, jacrev, vmap): the Function
+    # torch.library makes for register_autograd has no setup_context, which
+    # functorch needs.
     return _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale), left, right, softcap, sinks)
 
 
@@ -592,6 +594,30 @@ _NO_DOUBLE_BACKWARD = (
     "compute higher-order terms with a dense attention such as "
     "torch.nn.functional.scaled_dot_product_attention per segment"
 )
+_NO_COMPILED_FUNC_GRAD = (
+    "ragged_compile.ragged_attention under torch.func.grad/vjp/jacrev inside torch.compile is not "
+    "supported: there Dynamo differentiates an autograd.Function's forward and ignores its "
+    "backward, and the op's forward is a fused kernel. Without "
+    "fullgraph=True, torch.compile runs this frame eagerly, which is correct. Otherwise take the "
+    "transform outside the compiled region (torch.func.grad(f) eagerly, or torch.compile(f) and "
+    "torch.autograd.grad / .backward() on its output); torch.compile(torch.func.vmap(f)) works"
+)
+
+
+def _differentiating_transform() -> bool:
+    """Whether any active torch.func transform differentiates (grad, vjp,
+    jacrev, jvp); Dynamo evaluates this at trace time."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return False
+    interpreter = torch._functorch.pyfunctorch.retrieve_current_functorch_interpreter()
+    if interpreter.key() in (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp):
+        return True
+    if interpreter.level() <= 1:  # the outermost transform (levels count from 1)
+        return False
+    with interpreter.lower():  # the next transform out
+        return _differentiating_transform()
+
+
 _NO_FORWARD_AD = (
     "ragged_compile.ragged_attention has no forward-mode AD (torch.func.jvp, jacfwd, hessian, "
     "torch.autograd.forward_ad); use reverse mode (torch.func.vjp, jacrev, grad) instead"

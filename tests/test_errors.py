@@ -93,6 +93,45 @@ def test_vmap_runs_each_element_with_its_own_layout():
     assert not torch.equal(out[0], out[1])
 
 
+def _compiled_transforms(q, k, v, cq, ck):
+    f = lambda q, k, v: rc.ragged_attention(q, k, v, cq, ck, causal=True)  # noqa: E731
+    total = lambda q, k, v: f(q, k, v).square().sum()  # noqa: E731
+    qs, ks, vs = (torch.stack([t, t.flip(0)]) for t in (q, k, v))
+    return {
+        "grad": (torch.func.grad(total, argnums=(0, 1, 2)), (q, k, v)),
+        "vjp": (lambda q: torch.func.vjp(lambda q: f(q, k, v), q)[1](q.cos())[0], (q,)),
+        "jacrev": (torch.func.jacrev(lambda q: f(q, k, v)[:2]), (q,)),
+        "vmap(grad)": (torch.func.vmap(torch.func.grad(total)), (qs, ks, vs)),
+        "grad(vmap)": (torch.func.grad(lambda q: torch.func.vmap(f)(q, ks, vs).square().sum()), (qs,)),
+    }
+
+
+@pytest.mark.parametrize("name", ["grad", "vjp", "jacrev", "vmap(grad)", "grad(vmap)"])
+def test_compiled_torch_func_gradients_run_eagerly_or_say_what_to_call(name):
+    """Dynamo differentiates an autograd.Function's forward under torch.func
+    and ignores its backward; the op's forward is a fused kernel, so a compiled
+    gradient transform runs the frame eagerly (exact), and fullgraph=True
+    names the ways that compile."""
+    q, k, v, cq, ck = _inputs([3, 0, 4], [2, 1, 4])
+    fn, args = _compiled_transforms(q, k, v, cq, ck)[name]
+    want = fn(*args)
+    torch._dynamo.reset()
+    got = torch.compile(fn)(*args)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"torch.func.grad\(f\) eagerly.*torch.autograd.grad"):
+        torch.compile(fn, fullgraph=True)(*args)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_compiled_vmap_runs_the_op_per_element(fullgraph):
+    q, k, v, _, _ = _inputs([3, 3])
+    cus = torch.tensor([[0, 3, 6], [0, 1, 6], [0, 6, 6]])
+    fn = torch.func.vmap(lambda cu: rc.ragged_attention(q, k, v, cu, causal=True))
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(fn, fullgraph=fullgraph)(cus), fn(cus), rtol=0, atol=0)
+
+
 # -- inputs -----------------------------------------------------------------------
 
 

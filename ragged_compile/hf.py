@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from . import hf_towers
 from .backends.select import WINDOW, unsupported_reason, variant
 from .logs import warn_once
-from .ops import ragged_attention
+from .ops import autocast_inputs, ragged_attention
 
 __all__ = ["register", "attention_forward", "mask_function", "FALLBACKS", "SUPPORTED_VERSIONS", "unpad", "graphed"]
 
@@ -603,7 +603,10 @@ def attention_forward(
     b, hq, sq, d = query.shape
     sk = key.shape[2]
     compiling = torch.compiler.is_compiling()
-    reason = _reason(module, query, key, value, dropout, kwargs)
+    # Under autocast our op takes q/k/v in autocast's dtype, as SDPA does (RoPE in
+    # float32 hands it float32 q and k): decide on what the kernel will get.
+    cast_q, cast_k, cast_v = autocast_inputs(query, key, value)
+    reason = _reason(module, cast_q, cast_k, cast_v, dropout, kwargs)
     if reason is None and causal and sq > sk:
         reason = NOT_RAGGED  # more queries than keys: no cache alignment
 
@@ -668,7 +671,7 @@ def attention_forward(
         # transformers' sliding_window W: a key within W - 1 positions (both sides if
         # bidirectional: ModernBERT passes half its local_attention + 1).
         window_size = (window - 1, 0 if causal else window - 1)
-        why = unsupported_reason(query.device, query.dtype, d, variant=(WINDOW,))
+        why = unsupported_reason(query.device, cast_q.dtype, d, variant=(WINDOW,))
         if why is not None:  # a CUDA window runs the reference: only where it changes nothing
             if _window_covers(layout, window, compiling):
                 window_size = (-1, -1)
@@ -677,9 +680,9 @@ def attention_forward(
     if reason is not None:
         return _stock(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs, reason, layout)
 
-    q = query.transpose(1, 2).reshape(b * sq, hq, d)
-    k = key.transpose(1, 2).reshape(b * sk, key.shape[1], d)
-    v = value.transpose(1, 2).reshape(b * sk, value.shape[1], d)
+    q = cast_q.transpose(1, 2).reshape(b * sq, hq, d)
+    k = cast_k.transpose(1, 2).reshape(b * sk, key.shape[1], d)
+    v = cast_v.transpose(1, 2).reshape(b * sk, value.shape[1], d)
     if query.device.type == "cuda" and not compiling and (layout.cu_q.is_inference() or layout.cu_k.is_inference()):
         # The runtime reuses a plan across layers while the offsets tensor is alive
         # and unmodified (its implicit step: address and version); inference tensors

@@ -88,3 +88,47 @@ def test_njt_sdpa_under_autocast_runs_our_op(device, monkeypatch):
         cu = torch.tensor([0, hs.shape[0]], dtype=torch.int32)
         want = dense_attention(hs, hs, hs, cu, cu, False, 32**-0.5)
         torch.testing.assert_close(out.transpose(1, 2).unbind()[i].double().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("device", _params(DEVICES))
+def test_transformers_attention_decides_on_the_autocast_dtype(device, monkeypatch):
+    """A float32 decoder under bf16 autocast: RoPE hands the attention function
+    float32 q and k. The support check sees what the kernel will get (bf16, as
+    SDPA casts), so a kernel that takes only half precision (FlashInfer on CUDA;
+    here forced on CPU too) still runs our op."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from ragged_compile import hf
+    from tests._hf_common import OURS, Count, pad_mask
+
+    real = hf.unsupported_reason
+
+    def half_only(dev, dtype, head_dim, **kw):
+        return "half precision only" if dtype == torch.float32 else real(dev, dtype, head_dim, **kw)
+
+    monkeypatch.setattr(hf, "unsupported_reason", half_only)
+    seen = []
+
+    class Dtypes(Count):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in OURS:
+                seen.append(args[0].dtype)
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=64, max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(0)
+    ref = Qwen2ForCausalLM(cfg).to(device).eval()
+    ref.set_attn_implementation("sdpa")
+    model = Qwen2ForCausalLM(cfg).to(device).eval()
+    model.load_state_dict(ref.state_dict())
+    model.set_attn_implementation(hf.register())
+    ids = torch.randint(1, 63, (3, 12), device=device)
+    mask = pad_mask([12, 5, 9], 12).to(device)
+    with torch.no_grad(), torch.autocast(device, torch.bfloat16):
+        want = ref(input_ids=ids, attention_mask=mask).logits
+        with Dtypes() as count:
+            got = model(input_ids=ids, attention_mask=mask).logits
+    assert count.n == 2 and set(seen) == {torch.bfloat16}
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid].float(), want[valid].float(), atol=3e-2, rtol=3e-2)

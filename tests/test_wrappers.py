@@ -451,14 +451,21 @@ def test_cuda_checkpoint_recompute_outside_enable_runs_our_op(monkeypatch, reent
 
     from ragged_compile.runtime import Runtime
 
-    threads = []
-    real = Runtime.attention_with_lse
+    calls = []
 
-    def spy(self, *args, **kwargs):
-        threads.append(threading.get_ident())
-        return real(self, *args, **kwargs)
+    def spy(name):
+        real = getattr(Runtime, name)
 
-    monkeypatch.setattr(Runtime, "attention_with_lse", spy)
+        def run(self, *args, **kwargs):
+            calls.append((name, threading.get_ident()))
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(Runtime, name, run)
+
+    # Reentrant checkpointing runs the forward under no_grad (the inference
+    # kernel); the recompute, with grad, runs the training kernel either way.
+    spy("attention")
+    spy("attention_with_lse")
     torch.manual_seed(0)
     layer = SelfAttentionLayer(256, 4, causal=True).cuda().to(torch.bfloat16)
     x = torch.nested.nested_tensor(
@@ -469,7 +476,8 @@ def test_cuda_checkpoint_recompute_outside_enable_runs_our_op(monkeypatch, reent
         out = checkpoint(layer, x, use_reentrant=reentrant)
     _loss(out).float().backward()
     torch.cuda.synchronize()
-    assert len(threads) == 2, "the recompute ran stock NJT SDPA"
+    forward = "attention" if reentrant else "attention_with_lse"
+    assert [name for name, _ in calls] == [forward, "attention_with_lse"], "the recompute ran stock NJT SDPA"
     assert all(p.grad is not None for p in layer.parameters())
 
 

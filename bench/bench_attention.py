@@ -8,8 +8,7 @@ varlen_attn, NJT SDPA, FlexAttention and padded SDPA, per op and end to end.
     python bench/bench_attention.py --smoke --out /tmp/smoke   # tiny sizes, CPU ok
 
 Writes attention.json (every number, the environment and every error string),
-attention.md (tables) and attention.png (ms per implementation, one panel per
-layout). Every measurement runs in its own try/except: a failure is recorded and
+and attention.md (tables). Every measurement runs in its own try/except: a failure is recorded and
 the run goes on. Outputs are rewritten after every measurement, so a run cut
 short (time limit, crash) still leaves what it measured. With --only, the other
 section of an existing attention.json in --out is kept. See bench/README.md for
@@ -18,7 +17,7 @@ what each column means.
 This file is the driver (command line, the per-op loop, writing results); the
 parts live next to it: layouts.py (the layout classes), variants.py (the
 implementations compared), timing.py (how everything is timed), report.py
-(tables and chart), e2e.py (the end-to-end variants), model.py (the encoder),
+(tables), e2e.py (the end-to-end variants), model.py (the encoder),
 harness.py (errors, budget, logging).
 """
 
@@ -57,7 +56,7 @@ from harness import (
     tb_tail,
 )
 from layouts import LAYOUT_SPECS, Case
-from report import fmt_rec, render_chart, render_markdown, section_meta, summarize_layout
+from report import fmt_rec, render_markdown, section_meta, summarize_layout
 from timing import sync, time_fn
 from variants import IMPLS, Shared, paired_vs_flashinfer
 
@@ -194,7 +193,6 @@ def main(argv=None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     json_path = os.path.join(out_dir, "attention.json")
     md_path = os.path.join(out_dir, "attention.md")
-    png_path = os.path.join(out_dir, "attention.png")
 
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     raise_recompile_limits()
@@ -257,13 +255,8 @@ def main(argv=None) -> int:
         rc_code = 1
     finally:
         results["run"]["total_s"] = time.perf_counter() - T_START
-        try:
-            results["run"]["chart"] = render_chart(results, png_path)
-        except Exception as e:  # noqa: BLE001
-            results["run"]["chart"] = f"failed: {err_str(e)}"
         writer()
-        log(f"chart: {results['run']['chart']}")
-        log(f"wrote {json_path}, {md_path}" + (f", {png_path}" if results["run"]["chart"] == "ok" else ""))
+        log(f"wrote {json_path}, {md_path}")
     return rc_code
 
 

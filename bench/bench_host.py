@@ -48,14 +48,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from env import environment  # noqa: E402
-from timing import time_fn  # noqa: E402
+from timing import sync as _sync, time_fn  # noqa: E402
 
 import ragged_compile as rc  # noqa: E402
-
-
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def per_call_us(fn, dev, reps: int) -> float:

@@ -1,5 +1,5 @@
-"""Reporting: run metadata, the markdown tables (attention.md) and the chart
-(attention.png) of bench_attention.py's results, and one-line log records."""
+"""Reporting: run metadata, the markdown tables (attention.md) of
+bench_attention.py's results, and one-line log records."""
 
 from __future__ import annotations
 
@@ -220,46 +220,3 @@ def render_markdown(results: dict) -> str:
             )
         L.append("")
     return "\n".join(L) + "\n"
-
-
-def render_chart(results: dict, path: str) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:  # noqa: BLE001
-        return f"skipped: matplotlib unavailable ({err_str(e, 200)})"
-    panels = []
-    lay = (results.get("ops") or {}).get("layouts", {})
-    for n, entry in lay.items():
-        bars = [(i, r["ms"]) for i, r in entry.get("impls", {}).items() if r.get("status") == "ok" and r.get("ms")]
-        if bars:
-            panels.append((f"{n} (ms / call)", bars))
-    e2e = (results.get("e2e") or {}).get("variants", {})
-    bars = [(n, r["ms_per_forward"]) for n, r in e2e.items() if r.get("status") == "ok"]
-    if bars:
-        panels.append(("e2e encoder (ms / forward)", bars))
-    if not panels:
-        return "skipped: nothing measured"
-    cols = min(3, len(panels))
-    rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 3.6 * rows), squeeze=False)
-    for ax in axes.flat[len(panels) :]:
-        ax.axis("off")
-    for ax, (title, bars) in zip(axes.flat, panels):
-        labels = [b[0] for b in bars]
-        vals = [b[1] for b in bars]
-        colors = ["tab:red" if lab.startswith(("ours", "ragged_compile")) else "tab:blue" for lab in labels]
-        ax.barh(range(len(vals)), vals, color=colors)
-        ax.set_yticks(range(len(vals)))
-        ax.set_yticklabels(labels, fontsize=8)
-        ax.invert_yaxis()
-        ax.set_title(title, fontsize=10)
-        for j, val in enumerate(vals):
-            ax.text(val, j, f" {val:.2f}", va="center", fontsize=7)
-        ax.set_xlim(0, max(vals) * 1.25)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return "ok"

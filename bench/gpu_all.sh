@@ -28,7 +28,7 @@ python3 -c "import json, sys; sys.path.insert(0, 'bench'); from env import envir
 
 tests() {
   # FlashInfer compiles a kernel per (backend, head dim, dtype) on first use: the tests' ones,
-  # five at a time (a dozen at once on 16 cores took longer than one after another)
+  # five at a time (a dozen at once on 16 cores had not finished after 330 s)
   step warm python3 bench/warm_kernels.py fa2:64:bf16 fa2:128:bf16 fa3:64:bf16 fa3:128:bf16 fa2:256:bf16
   step warm-2 python3 bench/warm_kernels.py fa2:64:fp16 fa2:128:fp16 fa2:256:fp16 fa3:256:fp16 fa3:128:fp16
   step cuda-tests env RAGGED_COMPILE_BACKEND=fa2 RAGGED_FUZZ_CUDA_EXAMPLES="${FUZZ_N:-1000}" \

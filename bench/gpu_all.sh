@@ -51,6 +51,7 @@ bench() {
   step bench-hf python3 bench/bench_hf.py --out "$OUT/hf.json"
   step bench-host python3 bench/bench_host.py --out "$OUT"
   step bench-host-graphs python3 bench/bench_host.py --only graphs --out "$OUT/graphs"  # host.{json,md} of its own
+  step bench-eager-reuse python3 bench/bench_eager_reuse.py --out "$OUT/eager_reuse.json"
   step bench-cudagraph python3 bench/bench_cudagraph.py --steps 100 --out "$OUT"
   step sweep-backends python3 bench/sweep_backends.py --out "$OUT"
   local fsdp="--mode fsdp --bench --layers 8 --dim 2048 --heads 16 --kv-heads 16 --segments 16 --min-len 64 --max-len 4096 --steps 6"

@@ -278,7 +278,8 @@ class PlannedStep(Step):
         return hit
 
     def layout_for(self, cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int) -> HostLayout:
-        key = (self._key(cu_q), self._key(cu_k))
+        key_q = self._key(cu_q)
+        key = (key_q, key_q if cu_k is cu_q else self._key(cu_k))  # self-attention: one key, per call
         layout = self.by_tensor.get(key)
         if layout is not None:
             return layout

@@ -145,11 +145,7 @@ def ragged_attention(
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
                 head_dim = int(head_dim)
         scale = head_dim ** -0.5
-    plain = sinks is None and type(softcap) is float and softcap == 0.0
-    if plain and type(window_size) is tuple and window_size == (-1, -1):
-        left, right = -1, -1  # the plain call: nothing to check (a few us of the small-batch budget)
-    else:
-        left, right, softcap = check_variants(q, window_size, softcap, sinks)
+    left, right, softcap = check_variants(q, window_size, softcap, sinks)
     if causal:
         right = -1  # causal caps right at 0 itself
     elif right == 0:

@@ -195,13 +195,17 @@ class GraphStep(Step):
             )
         return kind
 
-    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal, scale):
+    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal, scale, window=(-1, -1)):
         raise RuntimeError(
             "CUDA-graph mode is inference-only (a replay records no autograd graph): it "
             "captures under torch.no_grad(); train the model outside graph mode"
         )
 
-    def attention(self, q, k, v, cu_q, cu_k, causal, scale):
+    def attention(self, q, k, v, cu_q, cu_k, causal, scale, window=(-1, -1)):
+        if window != (-1, -1):
+            # FlashAttention-2 sizes its grid from the longest segment, which a replay
+            # for another layout would keep from the capture.
+            raise ValueError("CUDA-graph mode runs FlashInfer only: sliding windows are not captured; run them eagerly")
         reason = select.forward_reason(q.device, q.dtype, q.shape[-1])
         if reason is not None:  # the reference kernel reads offsets on the host: not capturable
             raise ValueError(f"CUDA-graph mode runs FlashInfer only: {reason}")

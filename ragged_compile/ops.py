@@ -120,9 +120,9 @@ def ragged_attention(
     FlashAttention-2); on CPU the fused CPU kernel's; elsewhere exact gradients
     from the reference kernel (on CUDA with a warning, once). Which kernel runs
     a call is decided in ``backends/select.py``. Variants: windows and sinks run
-    the fused CPU kernel, softcap the reference on CPU; on CUDA every variant
-    runs the reference kernel, forward and backward, said once at WARNING
-    (FlashInfer kernels for them are planned).
+    the fused CPU kernel, softcap the reference on CPU; on CUDA windows run
+    PyTorch's FlashAttention-2 forward and backward, softcap and sinks the
+    reference kernel, said once at WARNING (fused kernels for them are planned).
 
     Offsets are checked (``cu[0] == 0``, non-decreasing, ``cu[-1] == T``) on
     host copies: always for CPU tensors, at plan time on CUDA, and on every call
@@ -320,15 +320,22 @@ def _ragged_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, w
 def _ragged_attention_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left=-1, window_right=-1,
                            softcap=0.0, sinks=None):
     # FlashInfer through the runtime: it finds the plan of this step's layout
-    # without host work (steps.py), or runs the reference and says why. Variants:
-    # the reference (select.cuda_runs_reference).
+    # without host work (steps.py), or runs the reference and says why. Windows:
+    # FlashAttention-2 with the step's host lengths; other variants the reference
+    # (select.cuda_runs_reference).
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
     variant = select.variant(causal, (window_left, window_right), softcap, sinks)
     if select.cuda_runs_reference(q.device, q.dtype, q.shape[-1], variant):
         return reference_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, **_variants(window_left, window_right, softcap, sinks)
         )
-    return get_runtime(q.device).attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    window = _window(variant, window_left, window_right)
+    return get_runtime(q.device).attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window)
+
+
+def _window(variant, window_left: int, window_right: int) -> tuple[int, int]:
+    """The window a fast CUDA kernel takes: (-1, -1) unless the call is windowed."""
+    return (window_left, window_right) if select.WINDOW in variant else (-1, -1)
 
 
 @torch.library.custom_op("ragged_compile::ragged_attention_backward", mutates_args=(), tags=_TAGS)
@@ -452,7 +459,10 @@ def _ragged_attention_lse_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scal
     if select.cuda_runs_reference(q.device, q.dtype, q.shape[-1], variant):
         return _reference_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right,
                                    softcap, sinks)
-    out, lse, max_lens = get_runtime(q.device).attention_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    window = _window(variant, window_left, window_right)
+    out, lse, max_lens = get_runtime(q.device).attention_with_lse(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window
+    )
     return out, lse, torch.tensor(max_lens, dtype=torch.int64)
 
 
@@ -501,18 +511,23 @@ def _ragged_attention_lse_backward_cuda(
         args = (grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
         return _exact_backward(*args, window_left, window_right, softcap, sinks)
     max_q, max_k = max_lens.tolist()  # a CPU tensor: no sync
-    grads = _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale)
+    window = _window(variant, window_left, window_right)
+    grads = _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale, window)
     return _with_dsinks(grads, q)
 
 
-def _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, causal, scale):
+def _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, causal, scale,
+                   window=(-1, -1)):
     layout = (cu_seqlens_q.numel() - 1, q.shape[0], k.shape[0])
-    if select.backward_kernel(q.device, q.dtype, q.shape[-1], layout) == "fa4":
+    variant = (select.WINDOW,) if window != (-1, -1) else ()
+    if select.backward_kernel(q.device, q.dtype, q.shape[-1], layout, variant) == "fa4":
         try:
             return fa4_backward.backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale)
         except Exception as err:  # noqa: BLE001 - select decides: re-raise, or FA2 from now on
             select.fa4_failed(err, q.device, q.dtype, q.shape[-1])
-    return flash_backward.backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale)
+    return flash_backward.backward(
+        grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale, window
+    )
 
 
 class _EagerTraining(torch.autograd.Function):

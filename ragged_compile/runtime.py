@@ -204,7 +204,7 @@ class Runtime:
         return None if known is None else known.get((cu,))
 
     # -- the op's CUDA kernel ------------------------------------------------
-    def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float) -> torch.Tensor:
+    def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1)) -> torch.Tensor:
         if q.device != self.device:
             raise ValueError(
                 f"q is on {q.device} but this runtime serves {self.device}; use "
@@ -212,16 +212,17 @@ class Runtime:
             )
         if q.device.type != "cuda":
             # A CPU runtime plans nothing: the op's CPU kernel (or, for float64, the reference) runs.
-            kernel = select.forward_kernel(q.device, q.dtype, q.shape[-1])
+            variant = select.variant(causal, window)
+            kernel = select.forward_kernel(q.device, q.dtype, q.shape[-1], variant)
             self.count(kernel)
             self.last_backend = kernel
             run = cpu_attention if kernel == "cpu" else reference_attention
-            return run(q, k, v, cu_q, cu_k, causal, scale)
+            return run(q, k, v, cu_q, cu_k, causal, scale, window_size=window)
         step = self._step_for(cu_q, cu_k)
         if step is None:  # offsets that cannot be checked for edits: a step per call
             with self.step():
-                return self.attention(q, k, v, cu_q, cu_k, causal, scale)
-        return step.attention(q, k, v, cu_q, cu_k, causal, scale)
+                return self.attention(q, k, v, cu_q, cu_k, causal, scale, window)
+        return step.attention(q, k, v, cu_q, cu_k, causal, scale, window)
 
     def _step_for(self, cu_q: torch.Tensor, cu_k: torch.Tensor) -> Step | None:
         """The step a call with these offsets runs in: the thread's active step of
@@ -246,7 +247,7 @@ class Runtime:
         implicit = self._local.implicit = ImplicitStep(self)
         return implicit
 
-    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float):
+    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1)):
         """The training forward's kernel: see :meth:`PlannedStep.attention_with_lse <ragged_compile.steps.PlannedStep.attention_with_lse>`.
 
         Outside a step (an activation-checkpoint recompute runs in the backward,
@@ -259,8 +260,8 @@ class Runtime:
             step = self._retained_step(cu_q, cu_k) or self._step_for(cu_q, cu_k)
             if step is None:
                 with self.step():
-                    return self.attention_with_lse(q, k, v, cu_q, cu_k, causal, scale)
-        return step.attention_with_lse(q, k, v, cu_q, cu_k, causal, scale)
+                    return self.attention_with_lse(q, k, v, cu_q, cu_k, causal, scale, window)
+        return step.attention_with_lse(q, k, v, cu_q, cu_k, causal, scale, window)
 
     def _retained_step(self, cu_q: torch.Tensor, cu_k: torch.Tensor) -> Step | None:
         with self._lock:

@@ -76,11 +76,11 @@ class Step(abc.ABC):
     trains: bool = False
 
     @abc.abstractmethod
-    def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float) -> torch.Tensor:
-        """The inference op's CUDA kernel."""
+    def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1)) -> torch.Tensor:
+        """The inference op's CUDA kernel; ``window`` ``(left, right)``, -1 unbounded."""
 
     @abc.abstractmethod
-    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float):
+    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1)):
         """The training forward's CUDA kernel: ``(out, lse, (max_q, max_k))``."""
 
     def knows(self, cu_q: torch.Tensor, cu_k: torch.Tensor) -> bool:
@@ -328,8 +328,12 @@ class PlannedStep(Step):
                 raise ValueError("cu_seqlens do not match the layout planned for this step")
         return layout
 
-    def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float) -> torch.Tensor:
+    def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1)) -> torch.Tensor:
         rt = self.runtime
+        if window != (-1, -1):  # the caller checked select.forward_kernel: "fa2"
+            layout = self._checked_layout(q, k, cu_q, cu_k)
+            rt.count("fa2")
+            return flash_backward.forward(q, k, v, cu_q, cu_k, *layout.max_lens, causal, scale, window)[0]
         reason = select.forward_reason(q.device, q.dtype, q.shape[-1])
         if reason is not None:
             warn_once(f"{reason}: CUDA ragged attention runs the (slow, exact) reference kernel")
@@ -346,7 +350,7 @@ class PlannedStep(Step):
         rt.count("flashinfer")
         return fi.run(slot.wrapper, q, k, v)
 
-    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float):
+    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1)):
         """:meth:`attention` for training: also the LSE in the backward's layout
         (``[Hq, Tq]`` fp32, natural log, ``+inf`` for keyless rows; see
         backends/flash_backward.py) and the longest q and k segment from the host
@@ -356,6 +360,10 @@ class PlannedStep(Step):
         total_q, total_k = q.shape[0], k.shape[0]
         layout = self._checked_layout(q, k, cu_q, cu_k)
         max_lens = layout.max_lens
+        if window != (-1, -1):  # FlashAttention-2's forward, whose LSE its backward takes as it is
+            rt.count("fa2")
+            out, lse = flash_backward.forward(q, k, v, cu_q, cu_k, *max_lens, causal, scale, window)
+            return out, lse, max_lens
         if total_q == 0 or total_k == 0:
             lse = torch.full((q.shape[1], total_q), float("inf"), dtype=torch.float32, device=q.device)
             return q.new_zeros(q.shape), lse, max_lens

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ragged_compile.backends import flash_backward, select
-from ragged_compile.reference import dense_gradients, reference_lse
+from ragged_compile.reference import dense_attention, dense_gradients, dense_lse, reference_lse
 
 
 def _inputs(lq, lk, hq=4, hkv=2, d=8, dtype=torch.float32, seed=0, grad=True):
@@ -96,19 +96,39 @@ def test_gradients_match_float64_dense_autograd(causal):
 # -- the wrapper around aten._flash_attention_backward -------------------------
 
 
-def _fa2_contract(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal,
-                  rng_state, unused, *, scale=None):
-    """What the aten kernel computes, in float64, from the LSE it is given (it
-    does not recompute it), after checking the inputs it insists on."""
+def _check_fa2_inputs(q, cu_q, cu_k, max_q, max_k, dropout_p):
     assert q.shape[-1] % 8 == 0 and q.shape[-1] <= 256, q.shape
     assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.is_contiguous() and cu_k.is_contiguous()
     assert cu_q.numel() > 1 and max_q > 0 and max_k > 0, "the kernel rejects n == 0 and fails on max_k == 0"
-    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
-    assert dropout_p == 0.0 and rng_state.dtype == torch.uint64
+    assert dropout_p == 0.0
     cq, ck = cu_q.tolist(), cu_k.tolist()
     assert max_q == max(b - a for a, b in zip(cq, cq[1:])) and max_k == max(b - a for a, b in zip(ck, ck[1:]))
-    _, dq, dk, dv = dense_gradients(grad_out, q, k, v, cu_q, cu_k, is_causal, scale, out=out, lse=lse)
+
+
+def _fa2_contract(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal,
+                  rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None):
+    """What the aten kernel computes, in float64, from the LSE it is given (it
+    does not recompute it), after checking the inputs it insists on."""
+    _check_fa2_inputs(q, cu_q, cu_k, max_q, max_k, dropout_p)
+    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+    assert rng_state.dtype == torch.uint64
+    window = (-1 if window_size_left is None else window_size_left, -1 if window_size_right is None else window_size_right)
+    _, dq, dk, dv = dense_gradients(grad_out, q, k, v, cu_q, cu_k, is_causal, scale, out=out, lse=lse,
+                                    window_size=window)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _fa2_forward_contract(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
+                          scale=None, window_size_left=None, window_size_right=None):
+    """The aten forward's contract: output in q's dtype, LSE ``[Hq, Tq]`` fp32 natural
+    log with ``+inf`` for rows that see no key (flash-attn's normaliser)."""
+    _check_fa2_inputs(q, cu_q, cu_k, max_q, max_k, dropout_p)
+    assert not return_debug_mask
+    window = (-1 if window_size_left is None else window_size_left, -1 if window_size_right is None else window_size_right)
+    out = dense_attention(q, k, v, cu_q, cu_k, is_causal, scale, window_size=window).to(q.dtype)
+    lse = dense_lse(q, k, cu_q, cu_k, is_causal, scale, torch.float32, window_size=window)
+    unused = torch.empty(0)
+    return out, lse, torch.zeros(2, dtype=torch.uint64), unused, unused
 
 
 @pytest.mark.parametrize("d", [8, 20, 72, 96])
@@ -136,6 +156,42 @@ def test_flash_backward_wrapper_matches_dense_autograd(monkeypatch, d, causal, l
     for a, t, w in zip(got, (q, k, v), want):
         assert a.shape == t.shape
         torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("d", [16, 72, 80])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [(2, -1), (3, 1), (0, 0), (-1, 2), (40, 40)])
+@pytest.mark.parametrize("lq,lk", [([3, 0, 1, 9], [2, 4, 0, 6]), ([7, 2, 11], [7, 2, 11])])
+def test_fa2_windowed_forward_and_backward_match_dense_autograd(monkeypatch, d, causal, window, lq, lk):
+    """Windows through FlashAttention-2, forward (its LSE included: keyless rows
+    +inf) and backward fed that LSE, padded head dims, against float64 autograd."""
+    monkeypatch.setattr(flash_backward, "_kernel", _fa2_contract)
+    monkeypatch.setattr(flash_backward, "_forward_kernel", _fa2_forward_contract)
+    q, k, v, cq, ck = _inputs(lq, lk, d=d, dtype=torch.float64)
+    cq, ck = cq.long(), ck.long()
+    scale = d**-0.5
+    g = torch.randn(q.shape, dtype=torch.float64)
+    want_out, *want = dense_gradients(g, q, k, v, cq, ck, causal, scale, window_size=window)
+    out, lse = flash_backward.forward(q.detach(), k.detach(), v.detach(), cq, ck, max(lq), max(lk), causal, scale, window)
+    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+    torch.testing.assert_close(out, want_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, reference_lse(q.detach(), k.detach(), cq, ck, causal, scale, window_size=window))
+    got = flash_backward.backward(g, q.detach(), k.detach(), v.detach(), out, lse, cq, ck, max(lq), max(lk), causal,
+                                  scale, window)
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5)
+
+
+def test_fa2_forward_without_keys_or_queries_calls_no_kernel(monkeypatch):
+    def boom(*a, **kw):
+        raise AssertionError("the kernel rejects n == 0 and fails on max_q/max_k == 0")
+
+    monkeypatch.setattr(flash_backward, "_forward_kernel", boom)
+    for lq, lk in (([], []), ([3, 2], [0, 0]), ([0, 0], [4, 1])):
+        q, k, v, cq, ck = _inputs(lq, lk, grad=False)
+        out, lse = flash_backward.forward(q, k, v, cq, ck, max(lq, default=0), max(lk, default=0), False, 0.3, (2, 2))
+        assert out.shape == q.shape and not out.any()
+        assert lse.shape == (q.shape[1], q.shape[0]) and bool((lse == float("inf")).all())
 
 
 @pytest.mark.parametrize("lq,lk", [([], []), ([3, 2], [0, 0]), ([0, 0], [4, 1])])

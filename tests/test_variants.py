@@ -219,11 +219,11 @@ def test_select_variant_and_kernels():
     assert select.forward_kernel(cpu, torch.float32, 64, ("softcap",)) == "reference"
     assert "soft-cap" in select.forward_reason(cpu, torch.float32, 64, ("softcap",))
     assert select.forward_reason(cpu, torch.float32, 64, ("window",)) is None
-    assert select.forward_kernel(cuda, torch.bfloat16, 64, ("window",)) == "reference"
-    assert "not wired" in select.forward_reason(cuda, torch.bfloat16, 64, ("window",))
+    assert select.forward_kernel(cuda, torch.bfloat16, 64, ("softcap",)) == "reference"
+    assert "not wired" in select.forward_reason(cuda, torch.bfloat16, 64, ("softcap", "window"))
     assert select.trains_with_lse(cpu, torch.float32, 64, ("sinks",))
     assert not select.trains_with_lse(cpu, torch.float32, 64, ("softcap",))
-    assert not select.trains_with_lse(cuda, torch.bfloat16, 64, ("window",))
+    assert not select.trains_with_lse(cuda, torch.bfloat16, 64, ("sinks",))
     # rewrites and hf: variants stay on the op on CPU; on CUDA stock keeps them (ours is the reference)
     assert select.unsupported_reason(cpu, torch.float32, 64, variant=("softcap",)) is None
     why = select.unsupported_reason(cuda, torch.bfloat16, 64, variant=("sinks",))
@@ -234,10 +234,40 @@ def test_select_variant_and_kernels():
 def test_cuda_runs_reference_warns_once(caplog):
     cuda = torch.device("cuda")
     with caplog.at_level(logging.WARNING, logger="ragged_compile"):
-        assert select.cuda_runs_reference(cuda, torch.bfloat16, 64, ("window",))
-        assert select.cuda_runs_reference(cuda, torch.bfloat16, 64, ("window",))
+        assert select.cuda_runs_reference(cuda, torch.bfloat16, 64, ("sinks",))
+        assert select.cuda_runs_reference(cuda, torch.bfloat16, 64, ("sinks",))
     msgs = [r.getMessage() for r in caplog.records if r.name == "ragged_compile"]
-    assert len(msgs) == 1 and "window" in msgs[0] and "reference kernel" in msgs[0]
+    assert len(msgs) == 1 and "sinks" in msgs[0] and "reference kernel" in msgs[0]
+
+
+def test_cuda_windows_choose_flashattention2_where_it_runs(monkeypatch):
+    """Windows alone run FlashAttention-2 forward and backward on CUDA (both sides
+    bounded, which FlashInfer's ragged kernels cannot); with softcap or sinks, or
+    where FA2 cannot run (no kernels in the build, float32, head dim > 256), the
+    reference kernel, and the rewrites keep their stock path."""
+    from ragged_compile.backends import flash_backward
+
+    cuda = torch.device("cuda")
+    def fa2_on_sm90(device, dtype, head_dim):  # as on an H200 (this build may have no FlashAttention)
+        ok = dtype in flash_backward.DTYPES and head_dim <= flash_backward.MAX_HEAD_DIM
+        return None if ok else "the fused backward takes float16/bfloat16 and head_dim <= 256"
+
+    monkeypatch.setattr(flash_backward, "unsupported_reason", fa2_on_sm90)
+    window = ("window",)
+    assert select.forward_kernel(cuda, torch.bfloat16, 80, window) == "fa2"
+    assert select.forward_reason(cuda, torch.bfloat16, 80, window) is None
+    assert not select.cuda_runs_reference(cuda, torch.float16, 80, window)
+    assert select.trains_with_lse(cuda, torch.bfloat16, 80, window)
+    assert select.unsupported_reason(cuda, torch.bfloat16, 80, variant=window) is None
+    assert select.unsupported_reason(cuda, torch.bfloat16, 80, training=True, variant=window) is None
+    assert select.backward_kernel(cuda, torch.bfloat16, 80, (3, 30, 30), window) == "fa2"
+    monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa4")  # FA4's windowed backward is not wired: FA2 still
+    assert select.backward_kernel(cuda, torch.bfloat16, 80, (3, 30, 30), window) == "fa2"
+    for dtype, d, variant in ((torch.float32, 64, window), (torch.bfloat16, 320, window),
+                              (torch.bfloat16, 64, ("softcap", "window")), (torch.bfloat16, 64, ("sinks", "window"))):
+        assert select.forward_kernel(cuda, dtype, d, variant) == "reference"
+        assert not select.trains_with_lse(cuda, dtype, d, variant)
+        assert "reference kernel on CUDA" in select.unsupported_reason(cuda, dtype, d, variant=variant)
 
 
 @pytest.mark.parametrize("variant,pair", [
@@ -474,7 +504,7 @@ def test_strategies_are_off_by_default_and_checked():
         testing.softcaps(0.0)
 
 
-# -- CUDA: the reference kernel for now ------------------------------------------------
+# -- CUDA: windows on FlashAttention-2, other variants on the reference ---------------
 
 
 @pytest.mark.cuda
@@ -484,6 +514,54 @@ def test_strategies_are_off_by_default_and_checked():
     dict(window_size=(4, 1), softcap=3.0, sinks=True),
 ])
 def test_cuda_variants_equal_the_oracle(dtype, variant, caplog):
+    from ragged_compile.runtime import get_runtime
+
+    stats = get_runtime(torch.device("cuda")).stats
+    fa2 = stats["fa2"]
+    _cuda_variant_against_the_oracle(dtype, variant, caplog)
+    if set(variant) == {"window_size"} and dtype == torch.bfloat16:
+        assert stats["fa2"] >= fa2 + 4, "windows run FlashAttention-2: forward and the training forward, causal or not"
+    else:
+        assert stats["fa2"] == fa2 and "reference kernel" in caplog.text
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d,hq,hkv", [(64, 8, 2), (72, 4, 4), (80, 6, 3), (96, 4, 1), (128, 8, 8), (256, 2, 2)])
+@pytest.mark.parametrize("window", [(0, -1), (16, -1), (5, 5), (-1, 3), (300, 300), (0, 0)])
+@pytest.mark.parametrize("layout", ["mixed", "cross"])
+def test_cuda_windows_on_flashattention2_match_the_oracle(d, hq, hkv, window, layout):
+    """Windows on FlashAttention-2 against float64, forward and gradients: empty and
+    one-token segments, Lq > Lk and Lq < Lk, a window wider than every segment, GQA,
+    head dims 72/80/96 (padded to multiples of 8), causal and not."""
+    lq, lk = {"mixed": ([200, 0, 1, 37, 64], None), "cross": ([9, 40, 0, 3, 1], [30, 12, 5, 0, 1])}[layout]
+    q, k, v, cq, ck, _ = make(lq, lk, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16, seed=d + window[0])
+    q, k, v, cq, ck = (t.cuda() for t in (q, k, v, cq, ck))
+    for t in (q, k, v):
+        t.requires_grad_()
+    for causal in (False, True):
+        out = rc.ragged_attention(q, k, v, cq, ck, causal=causal, window_size=window)
+        go = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), go)
+        args = (*(t.detach().cpu() for t in (q, k, v)), cq.cpu(), ck.cpu(), causal, d**-0.5)
+        want = dense_gradients(go.cpu(), *args, window_size=window)
+        torch.testing.assert_close(out.double().cpu(), want[0], rtol=2e-2, atol=2e-2)
+        for g, w in zip(got, want[1:]):
+            torch.testing.assert_close(g.double().cpu(), w, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("window,causal", [((5, -1), True), ((3, 2), False), ((0, 7), False), ((-1, 4), False)])
+def test_cuda_windowed_segments_stay_independent(window, causal):
+    """A NaN or Inf in one segment's q, k or v moves no other segment's output on
+    FlashAttention-2's windowed forward."""
+    def fn(x, c):
+        return rc.ragged_attention(x[:, :4], x[:, 4:6], x[:, 6:], c, causal=causal, window_size=window)
+
+    x = torch.randn(70 + 5 + 40 + 1, 8, 64, device="cuda", dtype=torch.bfloat16)
+    testing.check_segment_independence(fn, x, cu([70, 5, 40, 1]).cuda())
+
+
+def _cuda_variant_against_the_oracle(dtype, variant, caplog):
     q, k, v, cq, ck, sinks = make([7, 0, 33, 1], [9, 2, 33, 5], hq=8, hkv=2, d=64, dtype=dtype)
     q, k, v, cq, ck, sinks = (t.cuda() for t in (q, k, v, cq, ck, sinks))
     if variant.get("sinks"):
@@ -505,7 +583,6 @@ def test_cuda_variants_equal_the_oracle(dtype, variant, caplog):
                                    64**-0.5, **kw)[1:]
             for g, w in zip(got, want):
                 torch.testing.assert_close(g.double().cpu(), w, rtol=5 * tol, atol=5 * tol)
-    assert "reference kernel" in caplog.text
 
 
 @pytest.mark.parametrize("variant", [

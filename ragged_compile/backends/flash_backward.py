@@ -1,5 +1,8 @@
-"""PyTorch's FlashAttention-2 varlen backward (`aten._flash_attention_backward`)
-as the CUDA backward of the op. It ships in every CUDA wheel of torch (SM80+).
+"""PyTorch's FlashAttention-2 varlen kernels: its backward
+(`aten._flash_attention_backward`) is the CUDA backward of every training call
+FlashAttention-4 does not take, and its forward (`aten._flash_attention_forward`)
+runs sliding windows, which FlashInfer's ragged kernels bound on the left only.
+They ship in every CUDA wheel of torch (SM80+).
 
 Contract of the aten kernel (torch 2.11 and 2.13, read from
 ``torch/nn/attention/varlen.py`` and ``aten/src/ATen/native/transformers/cuda/attention_backward.cu``,
@@ -17,6 +20,10 @@ and probed on the H200):
   true dim's scale.
 * ``max_k == 0`` fails with "CUDA error: invalid argument" and ``n == 0`` is
   rejected: both (and ``max_q == 0``) have all-zero gradients, given here.
+* Windows ``window_size_left/right`` (-1 unbounded) bound query row ``i`` to keys
+  ``[i' - left, i' + right]`` with ``i' = i + Lk - Lq``, ours exactly; ``is_causal``
+  caps ``right`` at 0. A row that sees no key gets output 0 and LSE ``+inf``
+  from the forward, which is what the backward takes.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import torch
 
 from . import pad_head_dim
 
-__all__ = ["unsupported_reason", "fa2_head_dim", "lse_from_flashinfer", "backward"]
+__all__ = ["unsupported_reason", "fa2_head_dim", "lse_from_flashinfer", "forward", "backward"]
 
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16)
@@ -85,6 +92,46 @@ def lse_from_flashinfer(lse: torch.Tensor, *, natural_hn: bool = False) -> torch
     return lse.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=math.inf)
 
 
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+    scale: float,
+    window: tuple[int, int] = (-1, -1),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of ``ragged_attention(q, k, v, cu_q, cu_k, causal, scale,
+    window_size=window)``; ``lse`` in the backward's layout (``[Hq, Tq]`` fp32,
+    natural log, ``+inf`` for keyless rows). ``max_q``/``max_k``: host ints."""
+    if cu_q.numel() - 1 == 0 or max_q == 0 or max_k == 0 or q.shape[0] == 0 or k.shape[0] == 0:
+        lse = torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float32, device=q.device)
+        return q.new_zeros(q.shape), lse
+    d = q.shape[-1]
+    dp = fa2_head_dim(d)
+    out, lse, *_ = _forward_kernel(
+        pad_head_dim(q, dp),
+        pad_head_dim(k, dp),
+        pad_head_dim(v, dp),
+        cu_q.to(torch.int32).contiguous(),
+        cu_k.to(torch.int32).contiguous(),
+        max_q,
+        max_k,
+        0.0,
+        causal,
+        False,
+        scale=scale,
+        window_size_left=window[0],
+        window_size_right=window[1],
+    )
+    if dp != d:
+        out = out[..., :d].contiguous()
+    return out, lse
+
+
 def backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -98,8 +145,10 @@ def backward(
     max_k: int,
     causal: bool,
     scale: float,
+    window: tuple[int, int] = (-1, -1),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) for ``out = ragged_attention(q, k, v, cu_q, cu_k, causal, scale)``.
+    """(dq, dk, dv) for ``out = ragged_attention(q, k, v, cu_q, cu_k, causal, scale,
+    window_size=window)``.
 
     ``lse``: aten layout ``[Hq, Tq]`` (see :func:`lse_from_flashinfer`);
     ``max_q``/``max_k``: host ints, the longest q and k segment (no sync here).
@@ -126,6 +175,8 @@ def backward(
         causal,
         *_unused_state(q.device),
         scale=scale,
+        window_size_left=window[0],
+        window_size_right=window[1],
     )
     if dp != d:
         dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., :d]
@@ -140,5 +191,9 @@ def _unused_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _kernel(*args, **kwargs):
-    # One seam for the aten kernel: CPU tests put a reference of its contract here.
+    # One seam per aten kernel: CPU tests put a reference of its contract here.
     return torch.ops.aten._flash_attention_backward(*args, **kwargs)
+
+
+def _forward_kernel(*args, **kwargs):
+    return torch.ops.aten._flash_attention_forward(*args, **kwargs)

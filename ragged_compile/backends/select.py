@@ -94,16 +94,24 @@ def variant(causal: bool, window_size=(-1, -1), softcap: float = 0.0, sinks=None
     return tuple(names)
 
 
-def _variant_reason(variant: tuple[str, ...]) -> str | None:
+def _variant_reason(device: torch.device, dtype: torch.dtype, head_dim, variant: tuple[str, ...]) -> str | None:
+    """Why a CUDA variant call runs the reference kernel, or None: sliding windows
+    (alone) run PyTorch's FlashAttention-2, forward and backward, which bounds both
+    sides (FlashInfer's ragged kernels bound the left only)."""
     if not variant:
         return None
-    return f"FlashInfer kernels for {' / '.join(variant)} are not wired yet (planned)"
+    if variant == (WINDOW,):
+        if not isinstance(head_dim, int):
+            return "the head dim is symbolic"
+        why = flash_backward.unsupported_reason(device, dtype, head_dim)
+        return None if why is None else f"sliding windows run FlashAttention-2 on CUDA, but {why}"
+    return f"CUDA kernels for {' / '.join(variant)} are not wired yet (planned)"
 
 
 def cuda_runs_reference(device: torch.device, dtype: torch.dtype, head_dim: int, variant: tuple[str, ...]) -> bool:
     """Whether a CUDA kernel of the op hands a variant call to the reference kernel
     (forward and backward, exact); says so once at WARNING."""
-    reason = _variant_reason(variant) if device.type == "cuda" else None
+    reason = _variant_reason(device, dtype, head_dim, variant) if device.type == "cuda" else None
     if reason is None:
         return False
     warn_once(f"{reason}: CUDA ragged attention with {' / '.join(variant)} runs the (slow, exact) reference kernel, "
@@ -130,15 +138,18 @@ _CPU_SOFTCAP = "the fused CPU kernel cannot soft-cap scores"
 
 
 def forward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, variant: tuple[str, ...] = ()) -> str:
-    """The forward kernel of a call: ``"cpu"``, ``"flashinfer"`` or ``"reference"``.
-    ``variant``: :func:`variant` of the call (CUDA variants and CPU softcap run the
-    reference)."""
+    """The forward kernel of a call: ``"cpu"``, ``"flashinfer"``, ``"fa2"`` or
+    ``"reference"``. ``variant``: :func:`variant` of the call (CUDA windows run
+    FlashAttention-2; other CUDA variants and CPU softcap, the reference)."""
     if device.type == "cpu":
         if dtype == torch.float64 or config.flag(config.REFERENCE) or SOFTCAP in variant:
             return "reference"
         return "cpu"
-    if device.type == "cuda" and not variant and _cuda_forward_reason(dtype, head_dim) is None:
-        return "flashinfer"
+    if device.type == "cuda":
+        if variant:
+            return "fa2" if _variant_reason(device, dtype, head_dim, variant) is None else "reference"
+        if _cuda_forward_reason(dtype, head_dim) is None:
+            return "flashinfer"
     return "reference"
 
 
@@ -147,7 +158,9 @@ def forward_reason(
 ) -> str | None:
     """Why a call runs the (slow, exact) reference kernel, or None where it runs a fast one."""
     if device.type == "cuda":
-        return _cuda_forward_reason(dtype, head_dim) or _variant_reason(variant)
+        if variant:
+            return _variant_reason(device, dtype, head_dim, variant)
+        return _cuda_forward_reason(dtype, head_dim)
     if device.type == "cpu":
         if dtype == torch.float64:
             return None  # float64 is the reference's own precision: it is the kernel for it
@@ -263,7 +276,9 @@ def trains_with_lse(device: torch.device, dtype: torch.dtype, head_dim: int, var
     forward's LSE (windows and sinks too)."""
     if device.type == "cuda":
         if variant:
-            return False  # the reference kernel, forward and backward (cuda_runs_reference says so)
+            # windows: FlashAttention-2's forward and backward; other variants the
+            # reference kernel, forward and backward (cuda_runs_reference says so)
+            return _variant_reason(device, dtype, head_dim, variant) is None
         reason = training_reason(device, dtype, head_dim)
         if reason is None:
             return True
@@ -276,12 +291,14 @@ def trains_with_lse(device: torch.device, dtype: torch.dtype, head_dim: int, var
 
 
 def backward_kernel(
-    device: torch.device, dtype: torch.dtype, head_dim: int, layout: tuple[int, int, int] | None = None
+    device: torch.device, dtype: torch.dtype, head_dim: int, layout: tuple[int, int, int] | None = None,
+    variant: tuple[str, ...] = (),
 ) -> str:
     """The CUDA backward of a training call: ``"fa4"`` (flash-attn-4, about twice as
     fast on SM90, when installed) or ``"fa2"`` (PyTorch's FlashAttention-2).
     ``layout``, (segments, total q, total k): floods of short segments stay on
-    FA2 (:func:`fa4_backward.pads_little`).
+    FA2 (:func:`fa4_backward.pads_little`). Windows: FA2, whose forward ran
+    (flash-attn-4's windowed backward is not wired).
 
     ``RAGGED_COMPILE_BACKWARD=fa2|fa4`` forces one; ``fa4`` where it cannot run
     is an error that says why. Under ``torch.use_deterministic_algorithms(True)``
@@ -289,7 +306,7 @@ def backward_kernel(
     FA4's kernel fails once (a pre-release), FA2 from then on, with a WARNING
     (:func:`fa4_failed`)."""
     forced = config.choice(config.BACKWARD, config.BACKWARDS)
-    if forced == "fa2":
+    if forced == "fa2" or WINDOW in variant:
         return "fa2"
     if torch.are_deterministic_algorithms_enabled():
         # FA4 accumulates dq (and GQA's dk/dv) with atomics; aten's FA2 backward
@@ -342,9 +359,10 @@ def unsupported_reason(
 
     ``variant`` (:func:`variant`): on CPU every variant stays on the op (windows
     and sinks on the fused CPU kernel, softcap on the reference, all exact and
-    skipping padding); on CUDA a variant runs the reference kernel for now, so
-    the caller keeps the call on its stock path where that path is exact (a
-    rewritten SDPA call, a model's own eager attention).
+    skipping padding); on CUDA windows run FlashAttention-2 (forward and
+    backward), other variants the reference kernel for now, so the caller keeps
+    those on its stock path where that path is exact (a rewritten SDPA call, a
+    model's own eager attention).
     """
     if dtype not in SUPPORTED_DTYPES:
         return f"dtype {dtype} is not supported"
@@ -352,8 +370,12 @@ def unsupported_reason(
         return None
     if not isinstance(head_dim, int):
         return "the head dim is symbolic"
-    reason = _cuda_training_reason(device, dtype, head_dim) if training else _cuda_forward_reason(dtype, head_dim)
-    reason = reason or _variant_reason(variant)
+    if variant:
+        reason = _variant_reason(device, dtype, head_dim, variant)
+    elif training:
+        reason = _cuda_training_reason(device, dtype, head_dim)
+    else:
+        reason = _cuda_forward_reason(dtype, head_dim)
     if reason is not None:
         return f"{reason}, so the op would run the reference kernel on CUDA"
     return None

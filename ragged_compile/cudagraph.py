@@ -201,11 +201,14 @@ class GraphStep(Step):
             "captures under torch.no_grad(); train the model outside graph mode"
         )
 
-    def attention(self, q, k, v, cu_q, cu_k, causal, scale, window=(-1, -1)):
-        if window != (-1, -1):
+    def attention(self, q, k, v, cu_q, cu_k, causal, scale, window=(-1, -1), softcap=0.0):
+        if window != (-1, -1) or softcap:
             # FlashAttention-2 sizes its grid from the longest segment, which a replay
-            # for another layout would keep from the capture.
-            raise ValueError("CUDA-graph mode runs FlashInfer only: sliding windows are not captured; run them eagerly")
+            # for another layout would keep from the capture; graph plans take no variant.
+            raise ValueError(
+                "CUDA-graph mode runs plain FlashInfer attention only: sliding windows and softcap are "
+                "not captured; run them eagerly"
+            )
         reason = select.forward_reason(q.device, q.dtype, q.shape[-1])
         if reason is not None:  # the reference kernel reads offsets on the host: not capturable
             raise ValueError(f"CUDA-graph mode runs FlashInfer only: {reason}")

@@ -567,6 +567,10 @@ def _variants(kwargs) -> tuple[float, torch.Tensor | None]:
     return float(kwargs.get("softcap") or 0.0), kwargs.get("sinks") if sinks is None else sinks
 
 
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _reason(module, query, key, value, dropout, kwargs) -> str | None:
     if dropout and dropout > 0 and module.training:
         return DROPOUT
@@ -579,7 +583,9 @@ def _reason(module, query, key, value, dropout, kwargs) -> str | None:
     if query.shape[1] % key.shape[1] != 0:
         return HEADS_NOT_GROUPED
     softcap, sinks = _variants(kwargs)
-    why = unsupported_reason(query.device, query.dtype, query.shape[-1], variant=variant(False, softcap=softcap, sinks=sinks))
+    # a call that needs gradients needs a fused backward too (none caps scores yet)
+    why = unsupported_reason(query.device, query.dtype, query.shape[-1], training=_needs_grad(query, key, value),
+                             variant=variant(False, softcap=softcap, sinks=sinks))
     if why is not None:
         return f"{UNSUPPORTED} ({why})"
     return None
@@ -671,7 +677,8 @@ def attention_forward(
         # transformers' sliding_window W: a key within W - 1 positions (both sides if
         # bidirectional: ModernBERT passes half its local_attention + 1).
         window_size = (window - 1, 0 if causal else window - 1)
-        why = unsupported_reason(query.device, cast_q.dtype, d, variant=(WINDOW,))
+        why = unsupported_reason(query.device, cast_q.dtype, d, training=_needs_grad(query, key, value),
+                                 variant=(WINDOW,))
         if why is not None:  # a CUDA window runs the reference: only where it changes nothing
             if _window_covers(layout, window, compiling):
                 window_size = (-1, -1)

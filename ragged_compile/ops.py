@@ -321,21 +321,23 @@ def _ragged_attention_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, w
                            softcap=0.0, sinks=None):
     # FlashInfer through the runtime: it finds the plan of this step's layout
     # without host work (steps.py), or runs the reference and says why. Windows:
-    # FlashAttention-2 with the step's host lengths; other variants the reference
-    # (select.cuda_runs_reference).
+    # FlashAttention-2 with the step's host lengths; softcap: FlashInfer, capping
+    # at plan time; sinks the reference (select.cuda_runs_reference).
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
-    variant = select.variant(causal, (window_left, window_right), softcap, sinks)
-    if select.cuda_runs_reference(q.device, q.dtype, q.shape[-1], variant):
+    window = (window_left, window_right)
+    variant = select.variant(causal, window, softcap, sinks)
+    if select.cuda_runs_reference(q.device, q.dtype, q.shape[-1], variant, causal=causal, window=window):
         return reference_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, **_variants(window_left, window_right, softcap, sinks)
         )
-    window = _window(variant, window_left, window_right)
-    return get_runtime(q.device).attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window)
+    return get_runtime(q.device).attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, _window(variant, window), softcap
+    )
 
 
-def _window(variant, window_left: int, window_right: int) -> tuple[int, int]:
+def _window(variant, window: tuple[int, int]) -> tuple[int, int]:
     """The window a fast CUDA kernel takes: (-1, -1) unless the call is windowed."""
-    return (window_left, window_right) if select.WINDOW in variant else (-1, -1)
+    return window if select.WINDOW in variant else (-1, -1)
 
 
 @torch.library.custom_op("ragged_compile::ragged_attention_backward", mutates_args=(), tags=_TAGS)
@@ -455,13 +457,13 @@ def _ragged_attention_lse_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scal
 def _ragged_attention_lse_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left=-1, window_right=-1,
                                softcap=0.0, sinks=None):
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
-    variant = select.variant(causal, (window_left, window_right), softcap, sinks)
-    if select.cuda_runs_reference(q.device, q.dtype, q.shape[-1], variant):
+    window = (window_left, window_right)
+    variant = select.variant(causal, window, softcap, sinks)
+    if select.cuda_runs_reference(q.device, q.dtype, q.shape[-1], variant, training=True, causal=causal, window=window):
         return _reference_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right,
                                    softcap, sinks)
-    window = _window(variant, window_left, window_right)
     out, lse, max_lens = get_runtime(q.device).attention_with_lse(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, _window(variant, window)
     )
     return out, lse, torch.tensor(max_lens, dtype=torch.int64)
 
@@ -506,12 +508,13 @@ def _ragged_attention_lse_backward_cuda(
     grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens, causal, scale, window_left=-1, window_right=-1,
     softcap=0.0, sinks=None,
 ):
-    variant = select.variant(causal, (window_left, window_right), softcap, sinks)
-    if select.cuda_runs_reference(q.device, q.dtype, q.shape[-1], variant):  # select says "reference" there
+    window = (window_left, window_right)
+    variant = select.variant(causal, window, softcap, sinks)
+    if select.cuda_runs_reference(q.device, q.dtype, q.shape[-1], variant, training=True, causal=causal, window=window):
         args = (grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
         return _exact_backward(*args, window_left, window_right, softcap, sinks)
     max_q, max_k = max_lens.tolist()  # a CPU tensor: no sync
-    window = _window(variant, window_left, window_right)
+    window = _window(variant, window)
     grads = _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale, window)
     return _with_dsinks(grads, q)
 

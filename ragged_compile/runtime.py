@@ -204,7 +204,9 @@ class Runtime:
         return None if known is None else known.get((cu,))
 
     # -- the op's CUDA kernel ------------------------------------------------
-    def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1)) -> torch.Tensor:
+    def attention(
+        self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1), softcap: float = 0.0
+    ) -> torch.Tensor:
         if q.device != self.device:
             raise ValueError(
                 f"q is on {q.device} but this runtime serves {self.device}; use "
@@ -212,17 +214,18 @@ class Runtime:
             )
         if q.device.type != "cuda":
             # A CPU runtime plans nothing: the op's CPU kernel (or, for float64, the reference) runs.
-            variant = select.variant(causal, window)
+            variant = select.variant(causal, window, softcap)
             kernel = select.forward_kernel(q.device, q.dtype, q.shape[-1], variant)
             self.count(kernel)
             self.last_backend = kernel
-            run = cpu_attention if kernel == "cpu" else reference_attention
-            return run(q, k, v, cu_q, cu_k, causal, scale, window_size=window)
+            if kernel == "cpu":
+                return cpu_attention(q, k, v, cu_q, cu_k, causal, scale, window_size=window)
+            return reference_attention(q, k, v, cu_q, cu_k, causal, scale, window_size=window, softcap=softcap)
         step = self._step_for(cu_q, cu_k)
         if step is None:  # offsets that cannot be checked for edits: a step per call
             with self.step():
-                return self.attention(q, k, v, cu_q, cu_k, causal, scale, window)
-        return step.attention(q, k, v, cu_q, cu_k, causal, scale, window)
+                return self.attention(q, k, v, cu_q, cu_k, causal, scale, window, softcap)
+        return step.attention(q, k, v, cu_q, cu_k, causal, scale, window, softcap)
 
     def _step_for(self, cu_q: torch.Tensor, cu_k: torch.Tensor) -> Step | None:
         """The step a call with these offsets runs in: the thread's active step of
@@ -278,13 +281,18 @@ class Runtime:
         # The raw handle, without making a Stream object: this runs on every call.
         return torch._C._cuda_getCurrentRawStream(self.device.index)
 
-    def plan(self, step: PlannedStep, layout: HostLayout, hq, hkv, d, dtype, causal, scale) -> _Slot:
+    def plan(
+        self, step: PlannedStep, layout: HostLayout, hq, hkv, d, dtype, causal, scale, window_left: int = -1,
+        softcap: float = 0.0,
+    ) -> _Slot:
         """The wrapper planned for ``layout`` in ``step``: found in the step's plans
-        (every call after a layout's first), or planned now."""
+        (every call after a layout's first), or planned now. ``window_left`` and
+        ``softcap`` are FlashInfer plan arguments: a model alternating windowed and
+        full layers keeps one plan of each per layout and forward."""
         # The stream is part of the key: a plan's copy is ordered on the stream it
         # was made on, and each stream has its own workspace.
         stream = self._current_stream()
-        key = (layout.id, hq, hkv, d, dtype, causal, scale, stream)
+        key = (layout.id, hq, hkv, d, dtype, causal, scale, window_left, softcap, stream)
         hit = step.plans.get(key)
         if hit is not None:
             self.last_backend = hit[2]
@@ -295,7 +303,8 @@ class Runtime:
         )
         self.last_backend = backend
         slot = self._acquire(step, (backend, hq, hkv, fi.flashinfer_head_dim(d), dtype, causal, stream))
-        fi.plan(slot.wrapper, layout.cu_q, layout.cu_k, hq, hkv, d, dtype, causal, scale)
+        fi.plan(slot.wrapper, layout.cu_q, layout.cu_k, hq, hkv, d, dtype, causal, scale,
+                window_left=window_left, softcap=softcap)
         slot.event = torch.cuda.Event()
         slot.event.record()
         self.count("plans")

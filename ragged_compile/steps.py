@@ -76,8 +76,11 @@ class Step(abc.ABC):
     trains: bool = False
 
     @abc.abstractmethod
-    def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1)) -> torch.Tensor:
-        """The inference op's CUDA kernel; ``window`` ``(left, right)``, -1 unbounded."""
+    def attention(
+        self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1), softcap: float = 0.0
+    ) -> torch.Tensor:
+        """The inference op's CUDA kernel; ``window`` ``(left, right)``, -1 unbounded;
+        ``softcap`` > 0 caps the scores (0: off)."""
 
     @abc.abstractmethod
     def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1)):
@@ -328,9 +331,11 @@ class PlannedStep(Step):
                 raise ValueError("cu_seqlens do not match the layout planned for this step")
         return layout
 
-    def attention(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1)) -> torch.Tensor:
+    def attention(
+        self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1), softcap: float = 0.0
+    ) -> torch.Tensor:
         rt = self.runtime
-        if window != (-1, -1):  # the caller checked select.forward_kernel: "fa2"
+        if window != (-1, -1) and not softcap:  # the caller checked select.forward_kernel: "fa2"
             layout = self._checked_layout(q, k, cu_q, cu_k)
             rt.count("fa2")
             return flash_backward.forward(q, k, v, cu_q, cu_k, *layout.max_lens, causal, scale, window)[0]
@@ -346,7 +351,10 @@ class PlannedStep(Step):
             return q.new_empty(q.shape)
         if total_k == 0:
             return q.new_zeros(q.shape)
-        slot = rt.plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale)
+        # softcap (the caller checked select.cuda_runs_reference): FlashInfer caps, and
+        # bounds the window's left side, at plan time
+        window_left = select.flashinfer_window(causal, window) if softcap else -1
+        slot = rt.plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale, window_left, softcap)
         rt.count("flashinfer")
         return fi.run(slot.wrapper, q, k, v)
 

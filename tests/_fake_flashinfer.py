@@ -25,7 +25,9 @@ class Wrapper:
         self.layout = None
 
     def run(self, q, k, v):
-        return reference_attention(q, k, v, *self.layout)
+        cu_q, cu_k, causal, scale, window_left, softcap = self.layout
+        # FlashInfer's window bounds the left only (right: causal's, or none)
+        return reference_attention(q, k, v, cu_q, cu_k, causal, scale, window_size=(window_left, -1), softcap=softcap)
 
 
 class Event:
@@ -47,12 +49,13 @@ def install(monkeypatch) -> list[Wrapper]:
         wrappers.append(Wrapper())
         return wrappers[-1]
 
-    def plan(w, cu_q, cu_k, hq, hkv, d, dtype, causal, scale, **kw):
+    def plan(w, cu_q, cu_k, hq, hkv, d, dtype, causal, scale, *, window_left=-1, softcap=0.0, **kw):
         w.plans += 1
-        w.layout = (cu_q.clone(), cu_k.clone(), causal, scale)
+        w.layout = (cu_q.clone(), cu_k.clone(), causal, scale, window_left, softcap)
 
     def run_with_lse(w, q, k, v):
-        cu_q, cu_k, causal, scale = w.layout
+        cu_q, cu_k, causal, scale, window_left, softcap = w.layout
+        assert window_left == -1 and not softcap, "the training forward plans no variant"
         lse = reference_lse(q, k, cu_q, cu_k, causal, scale)  # [Hq, Tq], ln, +inf
         fi_lse = (lse / math.log(2.0)).t().contiguous()
         return w.run(q, k, v), fi_lse.masked_fill(torch.isinf(fi_lse), -math.inf)

@@ -322,3 +322,41 @@ def test_graph_mode_keeps_softcap_and_sinks(kind):
         out = _out(g, **kw)
     valid = mask.bool()
     torch.testing.assert_close(out[valid], ref[valid], rtol=TOL, atol=TOL)
+
+
+# Which families run every layer on our op on CUDA: windows on FlashAttention-2,
+# softcap on FlashInfer's forward; sinks (gpt-oss) still the model's own eager path.
+CUDA_ON_OP = {"mistral": 2, "phi3": 2, "qwen2": 2, "gemma2": 2, "gemma3": 2, "modernbert": 2, "gpt_oss": 0}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", FAMILIES)
+@pytest.mark.parametrize("left", [False, True])
+def test_cuda_padded_batches_match_eager_in_bf16(kind, left):
+    """The families on CUDA (bf16, head dim 64 so every fast kernel takes it) against
+    their own eager attention in float32 on the same weights, padded and
+    left-padded, with windows shorter than the rows."""
+    model = _family(kind, 5)
+    cfg = model.config
+    if getattr(cfg, "head_dim", None) is not None:
+        cfg.head_dim = 64
+    model = type(model)(cfg).eval()  # rebuilt with head dim 64
+    ref_model = model.cuda()
+    g = torch.Generator().manual_seed(3)
+    lengths, s = [40, 9, 1, 33], 40
+    ids = torch.randint(2, 62, (len(lengths), s), generator=g)
+    mask = pad_mask(lengths, s, left)
+    kw = dict(input_ids=(ids * mask).cuda(), attention_mask=mask.cuda())
+    if not isinstance(model, transformers.ModernBertModel):
+        kw["use_cache"] = False
+    with torch.no_grad():
+        ref_model.set_attn_implementation("eager")
+        ref = _out(ref_model, **kw).float()
+        model = ref_model.to(torch.bfloat16)
+        model.set_attn_implementation(NAME)
+        with Count() as c:
+            out = _out(model, **kw).float()
+    valid = mask.bool().cuda()
+    scale = ref[valid].abs().max()
+    assert (out[valid] - ref[valid]).abs().max() <= 3e-2 * scale
+    assert c.n == CUDA_ON_OP[kind]

@@ -410,3 +410,47 @@ def test_fake_backend_threads_never_share_a_planned_wrapper(fake_flashinfer):
     assert not errors
     # Implicit steps keep their wrappers between forwards; renewed ones give them back.
     assert max(len(p) for p in rt._pool.values()) <= 2 * len(layouts) + 4
+
+
+def test_fake_backend_softcap_plans_once_per_variant_and_layout(fake_flashinfer):
+    """Gemma2's pattern: windowed soft-capped layers between full soft-capped ones.
+    FlashInfer takes window_left and the cap at plan time, so one forward plans
+    once per (layout, variant): two plans for eight layers, and each layer's
+    output is its own variant's."""
+    rt, call = fake_flashinfer
+    q, k, v = _qkv(60)
+    cu = _cu([10, 20, 30])
+    with rt.step():
+        step = rt._step_for(cu, cu)
+        for layer in range(8):
+            window = (3, -1) if layer % 2 else (-1, -1)
+            out = step.attention(q, k, v, cu, cu, True, 0.3, window, 5.0)
+            want = rc.reference_attention(q, k, v, cu, cu, True, 0.3, window_size=window, softcap=5.0)
+            torch.testing.assert_close(out, want)
+    assert rt.stats["plans"] == 2 and rt.stats["syncs"] == 1 and rt.stats["flashinfer"] == 8
+
+
+def test_windows_run_flashattention2_with_the_steps_host_lengths(monkeypatch, fake_flashinfer):
+    """A windowed call in a step runs FlashAttention-2 with the longest segments from
+    the step's host layout: no plan, no second offsets read."""
+    from ragged_compile.backends import flash_backward
+
+    rt, call = fake_flashinfer
+    seen = []
+
+    def fa2_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug, *, scale, window_size_left,
+                    window_size_right):
+        seen.append((max_q, max_k, window_size_left, window_size_right))
+        out = rc.reference_attention(q, k, v, cu_q, cu_k, causal, scale, window_size=(window_size_left, window_size_right))
+        return out, None, None, None, None
+
+    monkeypatch.setattr(flash_backward, "_forward_kernel", fa2_forward)
+    q, k, v = _qkv(60, d=16)
+    cu = _cu([10, 20, 30])
+    with rt.step():
+        step = rt._step_for(cu, cu)
+        for _ in range(3):
+            out = step.attention(q, k, v, cu, cu, False, 0.3, (4, 2))
+    assert seen == [(30, 30, 4, 2)] * 3
+    assert rt.stats["plans"] == 0 and rt.stats["syncs"] == 1 and rt.stats["fa2"] == 3
+    torch.testing.assert_close(out, rc.reference_attention(q, k, v, cu, cu, False, 0.3, window_size=(4, 2)))

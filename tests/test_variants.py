@@ -219,8 +219,8 @@ def test_select_variant_and_kernels():
     assert select.forward_kernel(cpu, torch.float32, 64, ("softcap",)) == "reference"
     assert "soft-cap" in select.forward_reason(cpu, torch.float32, 64, ("softcap",))
     assert select.forward_reason(cpu, torch.float32, 64, ("window",)) is None
-    assert select.forward_kernel(cuda, torch.bfloat16, 64, ("softcap",)) == "reference"
-    assert "not wired" in select.forward_reason(cuda, torch.bfloat16, 64, ("softcap", "window"))
+    assert select.forward_kernel(cuda, torch.bfloat16, 64, ("sinks",)) == "reference"
+    assert "not wired" in select.forward_reason(cuda, torch.bfloat16, 64, ("sinks", "window"))
     assert select.trains_with_lse(cpu, torch.float32, 64, ("sinks",))
     assert not select.trains_with_lse(cpu, torch.float32, 64, ("softcap",))
     assert not select.trains_with_lse(cuda, torch.bfloat16, 64, ("sinks",))
@@ -264,10 +264,34 @@ def test_cuda_windows_choose_flashattention2_where_it_runs(monkeypatch):
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa4")  # FA4's windowed backward is not wired: FA2 still
     assert select.backward_kernel(cuda, torch.bfloat16, 80, (3, 30, 30), window) == "fa2"
     for dtype, d, variant in ((torch.float32, 64, window), (torch.bfloat16, 320, window),
-                              (torch.bfloat16, 64, ("softcap", "window")), (torch.bfloat16, 64, ("sinks", "window"))):
+                              (torch.bfloat16, 64, ("sinks", "window"))):
         assert select.forward_kernel(cuda, dtype, d, variant) == "reference"
         assert not select.trains_with_lse(cuda, dtype, d, variant)
         assert "reference kernel on CUDA" in select.unsupported_reason(cuda, dtype, d, variant=variant)
+
+
+def test_cuda_softcap_runs_flashinfer_forward_with_a_left_window(monkeypatch):
+    """Soft-capped calls run FlashInfer's forward, which caps and bounds the left
+    side at plan time; a right bound (non-causal), training's LSE pair (no fused
+    backward caps) and sinks stay on the reference, and transformers keeps its own
+    attention for soft-capped training."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(select, "_cuda_forward_reason",
+                        lambda dtype, d: None if dtype in (torch.float16, torch.bfloat16) and d <= 256 else "no")
+    for variant in (("softcap",), ("softcap", "window")):
+        assert select.forward_kernel(cuda, torch.bfloat16, 96, variant) == "flashinfer"
+        assert not select.trains_with_lse(cuda, torch.bfloat16, 96, variant)
+        assert select.unsupported_reason(cuda, torch.bfloat16, 96, variant=variant) is None
+        assert "no fused backward" in select.unsupported_reason(cuda, torch.bfloat16, 96, training=True, variant=variant)
+        assert select.cuda_runs_reference(cuda, torch.bfloat16, 96, variant, training=True)
+    soft_window = ("softcap", "window")
+    assert not select.cuda_runs_reference(cuda, torch.bfloat16, 96, soft_window, causal=True, window=(7, -1))
+    assert not select.cuda_runs_reference(cuda, torch.bfloat16, 96, soft_window, causal=False, window=(7, -1))
+    assert select.cuda_runs_reference(cuda, torch.bfloat16, 96, soft_window, causal=False, window=(7, 7))
+    assert select.flashinfer_window(True, (7, -1)) == 7 and select.flashinfer_window(False, (-1, -1)) == -1
+    assert select.flashinfer_window(False, (7, 0)) is None
+    assert select.forward_kernel(cuda, torch.float32, 96, ("softcap",)) == "reference"
+    assert select.forward_kernel(cuda, torch.bfloat16, 96, ("sinks", "softcap")) == "reference"
 
 
 @pytest.mark.parametrize("variant,pair", [
@@ -517,12 +541,15 @@ def test_cuda_variants_equal_the_oracle(dtype, variant, caplog):
     from ragged_compile.runtime import get_runtime
 
     stats = get_runtime(torch.device("cuda")).stats
-    fa2 = stats["fa2"]
+    before = dict(stats)
     _cuda_variant_against_the_oracle(dtype, variant, caplog)
+    ran = {name: stats[name] - before.get(name, 0) for name in ("fa2", "flashinfer")}
     if set(variant) == {"window_size"} and dtype == torch.bfloat16:
-        assert stats["fa2"] >= fa2 + 4, "windows run FlashAttention-2: forward and the training forward, causal or not"
+        assert ran["fa2"] >= 2, "windows run FlashAttention-2 (the training forward), causal or not"
+    elif set(variant) == {"softcap"} and dtype == torch.bfloat16:
+        assert ran["flashinfer"] >= 2, "softcap runs FlashInfer's forward (gradients: the reference's)"
     else:
-        assert stats["fa2"] == fa2 and "reference kernel" in caplog.text
+        assert ran == {"fa2": 0, "flashinfer": 0} and "reference kernel" in caplog.text
 
 
 @pytest.mark.cuda

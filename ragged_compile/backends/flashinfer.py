@@ -121,9 +121,13 @@ def make_wrapper(
 
 
 def plan(
-    wrapper, cu_q_host, cu_k_host, hq, hkv, head_dim, dtype, causal, scale, *, split_kv=True, causal_split=None
+    wrapper, cu_q_host, cu_k_host, hq, hkv, head_dim, dtype, causal, scale, *, split_kv=True, causal_split=None,
+    window_left: int = -1, softcap: float = 0.0,
 ) -> None:
     """Host-side planning; `cu_*_host` are int32 CPU offsets of the real layout.
+
+    ``window_left`` (-1: none) and ``softcap`` (0: none) are taken here, not by
+    ``run``: FlashInfer ignores them there. Each combination is its own JIT module.
 
     ``split_kv=False`` forbids fa2 from splitting long k/v segments across CTAs
     (fa3 never does). A CUDA-graph wrapper otherwise always splits, and the merge
@@ -151,6 +155,8 @@ def plan(
         o_data_type=dtype,
         non_blocking=True,
         disable_split_kv=not split_kv,
+        window_left=window_left,
+        logits_soft_cap=softcap if softcap > 0 else None,
     )
 
 

@@ -60,6 +60,7 @@ __all__ = [
     "SINKS",
     "variant",
     "cuda_runs_reference",
+    "flashinfer_window",
     "forward_kernel",
     "forward_reason",
     "flashinfer_backend",
@@ -94,28 +95,55 @@ def variant(causal: bool, window_size=(-1, -1), softcap: float = 0.0, sinks=None
     return tuple(names)
 
 
-def _variant_reason(device: torch.device, dtype: torch.dtype, head_dim, variant: tuple[str, ...]) -> str | None:
-    """Why a CUDA variant call runs the reference kernel, or None: sliding windows
-    (alone) run PyTorch's FlashAttention-2, forward and backward, which bounds both
-    sides (FlashInfer's ragged kernels bound the left only)."""
+def _variant_reason(
+    device: torch.device, dtype: torch.dtype, head_dim, variant: tuple[str, ...], *, training: bool = False,
+    causal: bool = False, window=(-1, -1),
+) -> str | None:
+    """Why a CUDA variant call runs the reference kernel, or None.
+
+    Sliding windows alone run PyTorch's FlashAttention-2, forward and backward
+    (both sides bounded; FlashInfer's ragged kernels bound the left only).
+    Soft-capped calls (with a left window or none) run FlashInfer's forward,
+    which caps at plan time; no fused backward caps, so their gradients are the
+    reference's (``training``: the LSE pair, which needs one, cannot take them).
+    Sinks: the reference."""
     if not variant:
         return None
+    if not isinstance(head_dim, int):
+        return "the head dim is symbolic"
     if variant == (WINDOW,):
-        if not isinstance(head_dim, int):
-            return "the head dim is symbolic"
         why = flash_backward.unsupported_reason(device, dtype, head_dim)
         return None if why is None else f"sliding windows run FlashAttention-2 on CUDA, but {why}"
+    if SOFTCAP in variant and SINKS not in variant:
+        if training:
+            return "soft-capped attention has no fused backward on CUDA yet"
+        if flashinfer_window(causal, window) is None:
+            return "FlashInfer soft-caps with a left window only, and this window bounds the right"
+        return _cuda_forward_reason(dtype, head_dim)
     return f"CUDA kernels for {' / '.join(variant)} are not wired yet (planned)"
 
 
-def cuda_runs_reference(device: torch.device, dtype: torch.dtype, head_dim: int, variant: tuple[str, ...]) -> bool:
+def flashinfer_window(causal: bool, window=(-1, -1)) -> int | None:
+    """FlashInfer's ``window_left`` for a call's window (-1: none), or None where its
+    mask cannot express the window: a right bound without causal."""
+    left, right = window
+    if right >= 0 and not causal:
+        return None
+    return left
+
+
+def cuda_runs_reference(
+    device: torch.device, dtype: torch.dtype, head_dim: int, variant: tuple[str, ...], *, training: bool = False,
+    causal: bool = False, window=(-1, -1),
+) -> bool:
     """Whether a CUDA kernel of the op hands a variant call to the reference kernel
-    (forward and backward, exact); says so once at WARNING."""
-    reason = _variant_reason(device, dtype, head_dim, variant) if device.type == "cuda" else None
+    (exact); says so once at WARNING. ``training``: the LSE pair's kernels."""
+    if device.type != "cuda":
+        return False
+    reason = _variant_reason(device, dtype, head_dim, variant, training=training, causal=causal, window=window)
     if reason is None:
         return False
-    warn_once(f"{reason}: CUDA ragged attention with {' / '.join(variant)} runs the (slow, exact) reference kernel, "
-              "forward and backward")
+    warn_once(f"{reason}: CUDA ragged attention with {' / '.join(variant)} runs the (slow, exact) reference kernel")
     return True
 
 
@@ -139,15 +167,19 @@ _CPU_SOFTCAP = "the fused CPU kernel cannot soft-cap scores"
 
 def forward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, variant: tuple[str, ...] = ()) -> str:
     """The forward kernel of a call: ``"cpu"``, ``"flashinfer"``, ``"fa2"`` or
-    ``"reference"``. ``variant``: :func:`variant` of the call (CUDA windows run
-    FlashAttention-2; other CUDA variants and CPU softcap, the reference)."""
+    ``"reference"``. ``variant``: :func:`variant` of the call (on CUDA windows run
+    FlashAttention-2, softcap FlashInfer (with a left window: see
+    :func:`cuda_runs_reference` for a two-sided one), sinks the reference; on CPU
+    softcap the reference)."""
     if device.type == "cpu":
         if dtype == torch.float64 or config.flag(config.REFERENCE) or SOFTCAP in variant:
             return "reference"
         return "cpu"
     if device.type == "cuda":
         if variant:
-            return "fa2" if _variant_reason(device, dtype, head_dim, variant) is None else "reference"
+            if _variant_reason(device, dtype, head_dim, variant) is not None:
+                return "reference"
+            return "fa2" if variant == (WINDOW,) else "flashinfer"
         if _cuda_forward_reason(dtype, head_dim) is None:
             return "flashinfer"
     return "reference"
@@ -276,9 +308,10 @@ def trains_with_lse(device: torch.device, dtype: torch.dtype, head_dim: int, var
     forward's LSE (windows and sinks too)."""
     if device.type == "cuda":
         if variant:
-            # windows: FlashAttention-2's forward and backward; other variants the
+            # windows: FlashAttention-2's forward and backward; softcap the inference
+            # op (FlashInfer's forward, the reference's gradients); sinks the
             # reference kernel, forward and backward (cuda_runs_reference says so)
-            return _variant_reason(device, dtype, head_dim, variant) is None
+            return variant == (WINDOW,) and _variant_reason(device, dtype, head_dim, variant) is None
         reason = training_reason(device, dtype, head_dim)
         if reason is None:
             return True
@@ -360,9 +393,11 @@ def unsupported_reason(
     ``variant`` (:func:`variant`): on CPU every variant stays on the op (windows
     and sinks on the fused CPU kernel, softcap on the reference, all exact and
     skipping padding); on CUDA windows run FlashAttention-2 (forward and
-    backward), other variants the reference kernel for now, so the caller keeps
-    those on its stock path where that path is exact (a rewritten SDPA call, a
-    model's own eager attention).
+    backward) and softcap FlashInfer's forward (not ``training``: its gradients
+    would be the reference's), others the reference kernel for now, so the
+    caller keeps those on its stock path where that path is exact (a rewritten
+    SDPA call, a model's own eager attention). A two-sided window with softcap
+    the caller cannot see here: the op runs the reference for it.
     """
     if dtype not in SUPPORTED_DTYPES:
         return f"dtype {dtype} is not supported"
@@ -371,7 +406,7 @@ def unsupported_reason(
     if not isinstance(head_dim, int):
         return "the head dim is symbolic"
     if variant:
-        reason = _variant_reason(device, dtype, head_dim, variant)
+        reason = _variant_reason(device, dtype, head_dim, variant, training=training)
     elif training:
         reason = _cuda_training_reason(device, dtype, head_dim)
     else:

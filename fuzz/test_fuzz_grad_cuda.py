@@ -54,12 +54,12 @@ EXAMPLES = [
 ]
 
 
-def _check(name, got, want, dtype, case):
+def _check(name, got, want, dtype, case, tolerances=None):
     assert got.shape == want.shape and got.dtype == dtype, (name, got.shape, want.shape)
     assert bool(torch.isfinite(got).all()), f"{name} not finite for {case!r}"
     if want.numel() == 0:
         return
-    norm_tol, row_tol = TOLERANCES[dtype]
+    norm_tol, row_tol = tolerances or TOLERANCES[dtype]
     got, ref = got.detach().double().cpu(), want.detach().double().cpu()
     err = got - ref
     # Exact zeros happen (one-token causal segments: dq = 0): a floor of 1e-3 rms.
@@ -136,3 +136,69 @@ def test_gradients_match_float64_autograd():
     check()
     print(f"\nCUDA gradient fuzz: ran {ran['examples']} examples ({dict(ran)})")
     assert ran["examples"] >= min(MAX_EXAMPLES, len(EXAMPLES))
+
+
+VARIANT_EXAMPLES = int(os.environ.get("RAGGED_FUZZ_VARIANT_EXAMPLES", str(MAX_EXAMPLES)))
+
+
+def test_variant_gradients_match_float64_autograd():
+    """Sliding windows (left, right, both, wider than a segment, zero) and sinks,
+    alone and together, through the fused kernels (FlashAttention-2's windowed
+    forward, or FlashInfer's; FlashAttention-2's backward; the sinks' rescale):
+    out, dq, dk, dv and d(sinks) against float64 autograd."""
+    ran = collections.Counter()
+
+    @settings(
+        max_examples=VARIANT_EXAMPLES,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(
+        case=attention_cases(
+            dtypes=(torch.bfloat16, torch.float16),
+            head_dims=HEAD_DIMS,
+            max_segments=32,
+            max_len=384,
+            max_elements=1 << 20,
+            max_score_elements=1 << 26,
+            max_tiny_segments=128,
+            window_size=True,
+            sinks=True,
+        )
+    )
+    def check(case: AttentionCase):
+        x = case.tensors(device="cuda")
+        q, k, v = (t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v))
+        kwargs = case.call_kwargs(x)
+        kwargs.update(q=q, k=k, v=v)
+        sinks = kwargs.get("sinks")
+        if sinks is not None:
+            sinks = kwargs["sinks"] = sinks.float().requires_grad_()
+        out = ragged_compile.ragged_attention(**kwargs)
+        g = torch.randn(out.shape, generator=torch.Generator(device="cuda").manual_seed(case.seed), device="cuda")
+        out.backward(g.to(out.dtype))
+        torch.cuda.synchronize()
+        variants = {n: kwargs[n] for n in ("window_size",) if n in kwargs}
+        if sinks is not None:
+            variants["sinks"] = sinks.detach()
+        args = (x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, case.causal, case.effective_scale)
+        ref = dense_attention(*args, device=x.q.device, **variants)
+        _check("out", out.detach(), ref, case.dtype, case)
+        _, *want = dense_gradients(g.to(out.dtype), *args, out=out.detach(), device=x.q.device, **variants)
+        got = [q.grad, k.grad, v.grad] + ([sinks.grad] if sinks is not None else [])
+        for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, want):
+            # dsinks: float32 [Hq], a row per head, as accurate as the case's dtype allows
+            rows = (a, b) if a.dim() > 1 else (a[:, None], b[:, None])
+            _check(name, *rows, a.dtype, case, TOLERANCES[case.dtype])
+        ran["examples"] += 1
+        variant = select.variant(case.causal, tuple(case.window_size), 0.0, sinks)
+        ran["+".join(variant) or "plain"] += 1
+        ran["kernel_" + select.forward_kernel(q.device, q.dtype, q.shape[-1], variant)] += 1
+        ran["causal"] += case.causal
+        ran["cross" if case.layout.cross else "self"] += 1
+        if ran["examples"] % 100 == 0:
+            print(f"\n{ran['examples']} variant examples passed so far ({dict(ran)})", flush=True)
+
+    check()
+    print(f"\nCUDA variant gradient fuzz: ran {ran['examples']} examples ({dict(ran)})")
+    assert ran["examples"] >= 1

@@ -25,7 +25,7 @@ attention): ``window_left: int = -1, window_right: int = -1, softcap: float = 0.
 sinks: Tensor? = None`` (see :func:`ragged_attention`). ``dsinks`` is ``[Hq]`` in
 the sinks' dtype, or an empty tensor for a call without sinks. With sinks the
 LSE includes them. Which kernel runs a variant is ``select.forward_kernel``'s
-answer: on CUDA the reference, for now.
+answer (on CUDA: FlashAttention-2 for windows, FlashInfer for softcap and sinks).
 
 :func:`attention` routes a call to the pair or the inference op, and the
 kernels below ask ``backends/select.py`` which kernel runs; this module only
@@ -121,8 +121,10 @@ def ragged_attention(
     from the reference kernel (on CUDA with a warning, once). Which kernel runs
     a call is decided in ``backends/select.py``. Variants: windows and sinks run
     the fused CPU kernel, softcap the reference on CPU; on CUDA windows run
-    PyTorch's FlashAttention-2 forward and backward, softcap and sinks the
-    reference kernel, said once at WARNING (fused kernels for them are planned).
+    PyTorch's FlashAttention-2 forward and backward, softcap FlashInfer's forward
+    (gradients: the reference's), sinks rescale a fused forward and train on
+    FlashAttention-2's backward; softcap with sinks runs the reference kernel,
+    said once at WARNING.
 
     Offsets are checked (``cu[0] == 0``, non-decreasing, ``cu[-1] == T``) on
     host copies: always for CPU tensors, at plan time on CUDA, and on every call
@@ -322,7 +324,8 @@ def _ragged_attention_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, w
     # FlashInfer through the runtime: it finds the plan of this step's layout
     # without host work (steps.py), or runs the reference and says why. Windows:
     # FlashAttention-2 with the step's host lengths; softcap: FlashInfer, capping
-    # at plan time; sinks the reference (select.cuda_runs_reference).
+    # at plan time; sinks rescale a fused forward's output by its LSE (the
+    # reference where select.cuda_runs_reference says).
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
     window = (window_left, window_right)
     variant = select.variant(causal, window, softcap, sinks)
@@ -330,6 +333,11 @@ def _ragged_attention_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, w
         return reference_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, **_variants(window_left, window_right, softcap, sinks)
         )
+    if sinks is not None:  # a fused forward's output and LSE, rescaled
+        out, lse, _ = get_runtime(q.device).attention_with_lse(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, _window(variant, window)
+        )
+        return flash_backward.with_sinks(out, lse, sinks)[0]
     return get_runtime(q.device).attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, _window(variant, window), softcap
     )
@@ -465,6 +473,8 @@ def _ragged_attention_lse_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scal
     out, lse, max_lens = get_runtime(q.device).attention_with_lse(
         q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, _window(variant, window)
     )
+    if sinks is not None:
+        out, lse = flash_backward.with_sinks(out, lse, sinks)
     return out, lse, torch.tensor(max_lens, dtype=torch.int64)
 
 
@@ -514,15 +524,16 @@ def _ragged_attention_lse_backward_cuda(
         args = (grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
         return _exact_backward(*args, window_left, window_right, softcap, sinks)
     max_q, max_k = max_lens.tolist()  # a CPU tensor: no sync
-    window = _window(variant, window)
-    grads = _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale, window)
+    grads = _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale,
+                           _window(variant, window), variant)
+    if sinks is not None:  # out and lse are with_sinks': the sinks' own gradient from them
+        grads = (*grads, flash_backward.sinks_grad(grad_out, out, lse, sinks))
     return _with_dsinks(grads, q)
 
 
 def _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, causal, scale,
-                   window=(-1, -1)):
+                   window=(-1, -1), variant=()):
     layout = (cu_seqlens_q.numel() - 1, q.shape[0], k.shape[0])
-    variant = (select.WINDOW,) if window != (-1, -1) else ()
     if select.backward_kernel(q.device, q.dtype, q.shape[-1], layout, variant) == "fa4":
         try:
             return fa4_backward.backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale)

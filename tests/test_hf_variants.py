@@ -324,9 +324,9 @@ def test_graph_mode_keeps_softcap_and_sinks(kind):
     torch.testing.assert_close(out[valid], ref[valid], rtol=TOL, atol=TOL)
 
 
-# Which families run every layer on our op on CUDA: windows on FlashAttention-2,
-# softcap on FlashInfer's forward; sinks (gpt-oss) still the model's own eager path.
-CUDA_ON_OP = {"mistral": 2, "phi3": 2, "qwen2": 2, "gemma2": 2, "gemma3": 2, "modernbert": 2, "gpt_oss": 0}
+# Every layer of each family on our op on CUDA: windows on FlashAttention-2, softcap
+# on FlashInfer's forward, sinks rescaling a fused forward (gpt-oss).
+CUDA_ON_OP = {"mistral": 2, "phi3": 2, "qwen2": 2, "gemma2": 2, "gemma3": 2, "modernbert": 2, "gpt_oss": 2}
 
 
 @pytest.mark.cuda

@@ -182,6 +182,31 @@ def test_fa2_windowed_forward_and_backward_match_dense_autograd(monkeypatch, d, 
         torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (3, -1)), (False, (2, 2))])
+@pytest.mark.parametrize("lq,lk", [([3, 0, 1, 9], [2, 4, 0, 6]), ([7, 2, 11], [7, 2, 11])])
+def test_sinks_from_a_fused_forward_and_fa2_backward_are_exact(monkeypatch, causal, window, lq, lk):
+    """Sinks on CUDA: a fused forward's output and LSE rescaled (with_sinks), and
+    FlashAttention-2's backward handed them, give the sinks' attention's exact
+    output, LSE and dq/dk/dv; sinks_grad gives d(sinks). Keyless rows included."""
+    monkeypatch.setattr(flash_backward, "_kernel", _fa2_contract)
+    monkeypatch.setattr(flash_backward, "_forward_kernel", _fa2_forward_contract)
+    q, k, v, cq, ck = _inputs(lq, lk, d=16, dtype=torch.float64)
+    sinks = 1.5 * torch.randn(q.shape[1], dtype=torch.float64)
+    scale = 0.3
+    g = torch.randn(q.shape, dtype=torch.float64)
+    want_out, *want = dense_gradients(g, q, k, v, cq, ck, causal, scale, window_size=window, sinks=sinks)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    out, lse = flash_backward.forward(qd, kd, vd, cq, ck, max(lq), max(lk), causal, scale, window)
+    out, lse = flash_backward.with_sinks(out, lse, sinks)
+    torch.testing.assert_close(out, want_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, reference_lse(qd, kd, cq, ck, causal, scale, window_size=window, sinks=sinks))
+    got = flash_backward.backward(g, qd, kd, vd, out, lse, cq, ck, max(lq), max(lk), causal, scale, window)
+    got = (*got, flash_backward.sinks_grad(g, out, lse, sinks))
+    assert len(want) == 4
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5)
+
+
 def test_fa2_forward_without_keys_or_queries_calls_no_kernel(monkeypatch):
     def boom(*a, **kw):
         raise AssertionError("the kernel rejects n == 0 and fails on max_q/max_k == 0")

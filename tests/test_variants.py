@@ -219,14 +219,14 @@ def test_select_variant_and_kernels():
     assert select.forward_kernel(cpu, torch.float32, 64, ("softcap",)) == "reference"
     assert "soft-cap" in select.forward_reason(cpu, torch.float32, 64, ("softcap",))
     assert select.forward_reason(cpu, torch.float32, 64, ("window",)) is None
-    assert select.forward_kernel(cuda, torch.bfloat16, 64, ("sinks",)) == "reference"
-    assert "not wired" in select.forward_reason(cuda, torch.bfloat16, 64, ("sinks", "window"))
+    assert select.forward_kernel(cuda, torch.bfloat16, 64, ("sinks", "softcap")) == "reference"
+    assert "not wired" in select.forward_reason(cuda, torch.bfloat16, 64, ("sinks", "softcap"))
     assert select.trains_with_lse(cpu, torch.float32, 64, ("sinks",))
     assert not select.trains_with_lse(cpu, torch.float32, 64, ("softcap",))
-    assert not select.trains_with_lse(cuda, torch.bfloat16, 64, ("sinks",))
+    assert not select.trains_with_lse(cuda, torch.bfloat16, 64, ("sinks", "softcap"))
     # rewrites and hf: variants stay on the op on CPU; on CUDA stock keeps them (ours is the reference)
     assert select.unsupported_reason(cpu, torch.float32, 64, variant=("softcap",)) is None
-    why = select.unsupported_reason(cuda, torch.bfloat16, 64, variant=("sinks",))
+    why = select.unsupported_reason(cuda, torch.bfloat16, 64, variant=("sinks", "softcap"))
     assert "reference kernel on CUDA" in why and "sinks" in why
     assert not select.cuda_runs_reference(cpu, torch.float32, 64, ("window",))
 
@@ -234,8 +234,8 @@ def test_select_variant_and_kernels():
 def test_cuda_runs_reference_warns_once(caplog):
     cuda = torch.device("cuda")
     with caplog.at_level(logging.WARNING, logger="ragged_compile"):
-        assert select.cuda_runs_reference(cuda, torch.bfloat16, 64, ("sinks",))
-        assert select.cuda_runs_reference(cuda, torch.bfloat16, 64, ("sinks",))
+        assert select.cuda_runs_reference(cuda, torch.bfloat16, 64, ("sinks", "softcap"))
+        assert select.cuda_runs_reference(cuda, torch.bfloat16, 64, ("sinks", "softcap"))
     msgs = [r.getMessage() for r in caplog.records if r.name == "ragged_compile"]
     assert len(msgs) == 1 and "sinks" in msgs[0] and "reference kernel" in msgs[0]
 
@@ -263,8 +263,12 @@ def test_cuda_windows_choose_flashattention2_where_it_runs(monkeypatch):
     assert select.backward_kernel(cuda, torch.bfloat16, 80, (3, 30, 30), window) == "fa2"
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa4")  # FA4's windowed backward is not wired: FA2 still
     assert select.backward_kernel(cuda, torch.bfloat16, 80, (3, 30, 30), window) == "fa2"
+    for sinks in (("sinks",), ("sinks", "window")):  # a fused forward rescaled, FA2's backward
+        assert select.trains_with_lse(cuda, torch.bfloat16, 80, sinks)
+        assert select.backward_kernel(cuda, torch.bfloat16, 80, (3, 30, 30), sinks) == "fa2"
+    assert select.forward_kernel(cuda, torch.bfloat16, 80, ("sinks", "window")) == "fa2"
     for dtype, d, variant in ((torch.float32, 64, window), (torch.bfloat16, 320, window),
-                              (torch.bfloat16, 64, ("sinks", "window"))):
+                              (torch.bfloat16, 64, ("sinks", "softcap", "window"))):
         assert select.forward_kernel(cuda, dtype, d, variant) == "reference"
         assert not select.trains_with_lse(cuda, dtype, d, variant)
         assert "reference kernel on CUDA" in select.unsupported_reason(cuda, dtype, d, variant=variant)
@@ -292,6 +296,7 @@ def test_cuda_softcap_runs_flashinfer_forward_with_a_left_window(monkeypatch):
     assert select.flashinfer_window(False, (7, 0)) is None
     assert select.forward_kernel(cuda, torch.float32, 96, ("softcap",)) == "reference"
     assert select.forward_kernel(cuda, torch.bfloat16, 96, ("sinks", "softcap")) == "reference"
+    assert select.forward_kernel(cuda, torch.bfloat16, 96, ("sinks",)) == "flashinfer"  # rescaled by the sinks
 
 
 @pytest.mark.parametrize("variant,pair", [
@@ -546,8 +551,8 @@ def test_cuda_variants_equal_the_oracle(dtype, variant, caplog):
     ran = {name: stats[name] - before.get(name, 0) for name in ("fa2", "flashinfer")}
     if set(variant) == {"window_size"} and dtype == torch.bfloat16:
         assert ran["fa2"] >= 2, "windows run FlashAttention-2 (the training forward), causal or not"
-    elif set(variant) == {"softcap"} and dtype == torch.bfloat16:
-        assert ran["flashinfer"] >= 2, "softcap runs FlashInfer's forward (gradients: the reference's)"
+    elif set(variant) in ({"softcap"}, {"sinks"}) and dtype == torch.bfloat16:
+        assert ran["flashinfer"] >= 2, "softcap and sinks run FlashInfer's forward"
     else:
         assert ran == {"fa2": 0, "flashinfer": 0} and "reference kernel" in caplog.text
 

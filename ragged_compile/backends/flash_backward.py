@@ -35,7 +35,7 @@ import torch
 
 from . import pad_head_dim
 
-__all__ = ["unsupported_reason", "fa2_head_dim", "lse_from_flashinfer", "forward", "backward"]
+__all__ = ["unsupported_reason", "fa2_head_dim", "lse_from_flashinfer", "forward", "backward", "with_sinks", "sinks_grad"]
 
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16)
@@ -130,6 +130,25 @@ def forward(
     if dp != d:
         out = out[..., :d].contiguous()
     return out, lse
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused forward's ``(out, lse)`` with per-head sink logits in every row's
+    softmax denominator: ``out * sigmoid(lse - sink)`` and ``logaddexp(lse, sink)``
+    (``lse`` in the backward's layout). Handed these, the backward gives the
+    sinks' attention's exact dq, dk, dv: its probabilities are ``exp(s - lse)``
+    with the sink in ``lse``, and a sink adds no value. Keyless rows (``+inf``)
+    stay zero with ``+inf``."""
+    sink = sinks.detach().float()[:, None]
+    scaled = out.float() * torch.sigmoid(lse - sink).t()[..., None]
+    return scaled.to(out.dtype), torch.logaddexp(lse, sink)
+
+
+def sinks_grad(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """``d(sinks)``: ``-sum_rows exp(sink - lse) * rowsum(dO * O)`` per head, from the
+    output and LSE of :func:`with_sinks`."""
+    rows = (grad_out.float() * out.float()).sum(-1).t()  # [Hq, Tq]
+    return -(torch.exp(sinks.detach().float()[:, None] - lse) * rows).sum(-1).to(sinks.dtype)
 
 
 def backward(

@@ -101,20 +101,28 @@ def _variant_reason(
 ) -> str | None:
     """Why a CUDA variant call runs the reference kernel, or None.
 
-    Sliding windows alone run PyTorch's FlashAttention-2, forward and backward
-    (both sides bounded; FlashInfer's ragged kernels bound the left only).
-    Soft-capped calls (with a left window or none) run FlashInfer's forward,
-    which caps at plan time; no fused backward caps, so their gradients are the
-    reference's (``training``: the LSE pair, which needs one, cannot take them).
-    Sinks: the reference."""
+    Sliding windows run PyTorch's FlashAttention-2, forward and backward (both
+    sides bounded; FlashInfer's ragged kernels bound the left only). Sinks
+    rescale a fused forward's output by ``sigmoid(lse - sink)`` (FlashInfer's,
+    or FlashAttention-2's with a window) and hand FlashAttention-2's backward
+    that output and LSE, which gives their exact gradients
+    (``flash_backward.with_sinks``). Soft-capped calls (with a left window or
+    none, no sinks) run FlashInfer's forward, which caps at plan time; no fused
+    backward caps, so their gradients are the reference's (``training``: the LSE
+    pair, which needs one, cannot take them)."""
     if not variant:
         return None
     if not isinstance(head_dim, int):
         return "the head dim is symbolic"
-    if variant == (WINDOW,):
-        why = flash_backward.unsupported_reason(device, dtype, head_dim)
-        return None if why is None else f"sliding windows run FlashAttention-2 on CUDA, but {why}"
-    if SOFTCAP in variant and SINKS not in variant:
+    if SOFTCAP not in variant:  # windows and/or sinks
+        why = None
+        if WINDOW in variant or training:
+            why = flash_backward.unsupported_reason(device, dtype, head_dim)
+            why = None if why is None else f"{' / '.join(variant)} run FlashAttention-2 on CUDA, but {why}"
+        if WINDOW not in variant:
+            why = why or _cuda_forward_reason(dtype, head_dim)
+        return why
+    if SINKS not in variant:
         if training:
             return "soft-capped attention has no fused backward on CUDA yet"
         if flashinfer_window(causal, window) is None:
@@ -179,7 +187,7 @@ def forward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, vari
         if variant:
             if _variant_reason(device, dtype, head_dim, variant) is not None:
                 return "reference"
-            return "fa2" if variant == (WINDOW,) else "flashinfer"
+            return "fa2" if WINDOW in variant and SOFTCAP not in variant else "flashinfer"
         if _cuda_forward_reason(dtype, head_dim) is None:
             return "flashinfer"
     return "reference"
@@ -308,10 +316,10 @@ def trains_with_lse(device: torch.device, dtype: torch.dtype, head_dim: int, var
     forward's LSE (windows and sinks too)."""
     if device.type == "cuda":
         if variant:
-            # windows: FlashAttention-2's forward and backward; softcap the inference
-            # op (FlashInfer's forward, the reference's gradients); sinks the
-            # reference kernel, forward and backward (cuda_runs_reference says so)
-            return variant == (WINDOW,) and _variant_reason(device, dtype, head_dim, variant) is None
+            # windows and sinks: fused forwards and FlashAttention-2's backward;
+            # softcap the inference op (FlashInfer's forward, the reference's
+            # gradients; cuda_runs_reference says so where it runs)
+            return SOFTCAP not in variant and _variant_reason(device, dtype, head_dim, variant, training=True) is None
         reason = training_reason(device, dtype, head_dim)
         if reason is None:
             return True
@@ -330,8 +338,8 @@ def backward_kernel(
     """The CUDA backward of a training call: ``"fa4"`` (flash-attn-4, about twice as
     fast on SM90, when installed) or ``"fa2"`` (PyTorch's FlashAttention-2).
     ``layout``, (segments, total q, total k): floods of short segments stay on
-    FA2 (:func:`fa4_backward.pads_little`). Windows: FA2, whose forward ran
-    (flash-attn-4's windowed backward is not wired).
+    FA2 (:func:`fa4_backward.pads_little`). Windows and sinks: FA2
+    (flash-attn-4's variants are not wired).
 
     ``RAGGED_COMPILE_BACKWARD=fa2|fa4`` forces one; ``fa4`` where it cannot run
     is an error that says why. Under ``torch.use_deterministic_algorithms(True)``
@@ -339,7 +347,7 @@ def backward_kernel(
     FA4's kernel fails once (a pre-release), FA2 from then on, with a WARNING
     (:func:`fa4_failed`)."""
     forced = config.choice(config.BACKWARD, config.BACKWARDS)
-    if forced == "fa2" or WINDOW in variant:
+    if forced == "fa2" or variant:
         return "fa2"
     if torch.are_deterministic_algorithms_enabled():
         # FA4 accumulates dq (and GQA's dk/dv) with atomics; aten's FA2 backward

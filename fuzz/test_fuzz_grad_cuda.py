@@ -75,25 +75,20 @@ def _check(name, got, want, dtype, case, tolerances=None):
     )
 
 
+def _fuzzed(max_examples: int, **bounds):
+    """Hypothesis over half-precision cases of every head dim, within ``bounds``."""
+    cases = attention_cases(dtypes=(torch.bfloat16, torch.float16), head_dims=HEAD_DIMS, max_elements=1 << 20,
+                            max_score_elements=1 << 26, **bounds)
+    health = [HealthCheck.too_slow, HealthCheck.data_too_large]
+    return lambda fn: settings(max_examples=max_examples, deadline=None, suppress_health_check=health)(
+        given(case=cases)(fn)
+    )
+
+
 def test_gradients_match_float64_autograd():
     ran = collections.Counter()
 
-    @settings(
-        max_examples=MAX_EXAMPLES,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
-    @given(
-        case=attention_cases(
-            dtypes=(torch.bfloat16, torch.float16),
-            head_dims=HEAD_DIMS,
-            max_segments=48,
-            max_len=512,
-            max_elements=1 << 20,
-            max_score_elements=1 << 26,
-            max_tiny_segments=256,
-        )
-    )
+    @_fuzzed(MAX_EXAMPLES, max_segments=48, max_len=512, max_tiny_segments=256)
     def check(case: AttentionCase):
         x = case.tensors(device="cuda")
         q, k, v = (t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v))
@@ -148,24 +143,7 @@ def test_variant_gradients_match_float64_autograd():
     out, dq, dk, dv and d(sinks) against float64 autograd."""
     ran = collections.Counter()
 
-    @settings(
-        max_examples=VARIANT_EXAMPLES,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
-    @given(
-        case=attention_cases(
-            dtypes=(torch.bfloat16, torch.float16),
-            head_dims=HEAD_DIMS,
-            max_segments=32,
-            max_len=384,
-            max_elements=1 << 20,
-            max_score_elements=1 << 26,
-            max_tiny_segments=128,
-            window_size=True,
-            sinks=True,
-        )
-    )
+    @_fuzzed(VARIANT_EXAMPLES, max_segments=32, max_len=384, max_tiny_segments=128, window_size=True, sinks=True)
     def check(case: AttentionCase):
         x = case.tensors(device="cuda")
         q, k, v = (t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v))

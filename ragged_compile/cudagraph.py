@@ -201,6 +201,9 @@ class GraphStep(Step):
             "captures under torch.no_grad(); train the model outside graph mode"
         )
 
+    def max_lens(self, q, k, cu_q, cu_k):
+        raise ValueError("CUDA-graph mode does not run attention dropout (a replay would redraw no mask); run it eagerly")
+
     def attention(self, q, k, v, cu_q, cu_k, causal, scale, window=(-1, -1), softcap=0.0):
         if window != (-1, -1) or softcap:
             # FlashAttention-2 sizes its grid from the longest segment, which a replay

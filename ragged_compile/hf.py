@@ -571,9 +571,19 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def _dropout_p(module, dropout) -> float:
+    """The attention dropout a call asks for: transformers passes the module's
+    probability in training (and 0.0, or the probability, in eval)."""
+    return float(dropout) if dropout and dropout > 0 and module.training else 0.0
+
+
 def _reason(module, query, key, value, dropout, kwargs) -> str | None:
-    if dropout and dropout > 0 and module.training:
-        return DROPOUT
+    if _dropout_p(module, dropout):
+        softcap, sinks = _variants(kwargs)
+        why = unsupported_reason(query.device, query.dtype, query.shape[-1], dropout=True,
+                                 variant=variant(False, softcap=softcap, sinks=sinks))
+        if why is not None:
+            return f"{DROPOUT} ({why})"
     if kwargs.get("position_bias") is not None:
         return POSITION_BIAS
     if kwargs.get("output_attentions"):
@@ -684,6 +694,9 @@ def attention_forward(
                 window_size = (-1, -1)
             else:
                 reason = f"{UNSUPPORTED} ({why})"
+    dropout_p = _dropout_p(module, dropout)
+    if reason is None and dropout_p and window_size != (-1, -1):
+        reason = f"{DROPOUT} (with a sliding window: no kernel takes both)"
     if reason is not None:
         return _stock(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs, reason, layout)
 
@@ -697,7 +710,7 @@ def attention_forward(
         layout = _cached(layout.cu_q, ("plain", id(layout.cu_k)), lambda: _plain_copy(layout))
     softcap, sinks = _variants(kwargs)
     out = ragged_attention(q, k, v, layout.cu_q, layout.cu_k, causal=causal, scale=scaling, window_size=window_size,
-                           softcap=softcap, sinks=sinks)
+                           softcap=softcap, sinks=sinks, dropout_p=dropout_p)
     return out.view(b, sq, hq, d), None
 
 

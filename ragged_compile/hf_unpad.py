@@ -347,10 +347,13 @@ def _static_reason(state, call, ctx) -> str | None:
     if ((getattr(config, "is_decoder", False) and not state.family.causal)
             or getattr(config, "add_cross_attention", False) or call.get("encoder_hidden_states") is not None):
         return "decoder / cross-attention config"
-    if base.training and any((getattr(config, k, 0) or 0) > 0 for k in state.family.dropout):
-        return "attention dropout in training"
     mask = call.get("attention_mask")
     ref = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
+    if (base.training and any((getattr(config, k, 0) or 0) > 0 for k in state.family.dropout)
+            and not (isinstance(ref, torch.Tensor) and ref.device.type == "cuda")):
+        # CUDA: the op's FlashAttention-2 drops out; elsewhere the packed call would
+        # hand the model's own attention a dense mask
+        return "attention dropout in training"
     if (not isinstance(mask, torch.Tensor) or ref is None or mask.dim() != 2
             or tuple(mask.shape) != tuple(ref.shape[:2])):
         return "attention_mask is not a 2-D padding mask"

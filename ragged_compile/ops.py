@@ -42,10 +42,14 @@ import torch
 
 from .backends import cpu as cpu_kernel
 from .backends import fa4_backward, flash_backward, select
-from .reference import reference_attention, reference_attention_backward, reference_lse
+from .reference import (
+    reference_attention, reference_attention_backward, reference_dropout_attention, reference_dropout_backward,
+    reference_lse,
+)
 from .runtime import get_runtime
 from .validation import (
-    check_cu_seqlens_values, check_inputs, check_meta, check_values, check_variants, check_variants_meta, debug_checks,
+    check_cu_seqlens_values, check_dropout, check_inputs, check_meta, check_values, check_variants,
+    check_variants_meta, debug_checks,
 )
 
 __all__ = ["ragged_attention", "attention", "autocast_inputs"]
@@ -65,6 +69,7 @@ def ragged_attention(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     r"""Attention over packed variable-length segments, without padding.
 
@@ -105,6 +110,15 @@ def ragged_attention(
         sinks: ``[Hq]`` per-head logits that join every row's softmax denominator
             and add no value (gpt-oss' ``sinks``); differentiable. A row that sees
             no key is still zero.
+
+        dropout_p: attention dropout, as SDPA's ``dropout_p``: each probability is
+            zeroed with probability ``dropout_p`` and the kept ones scaled by
+            ``1 / (1 - dropout_p)``, whenever it is > 0 (pass 0 outside
+            training). Each segment's mask is independent of the others. On CUDA
+            PyTorch's FlashAttention-2 draws it from CUDA's generator (fp16/bf16,
+            head dim <= 256, SM80+), elsewhere the reference kernel from the CPU
+            generator's seed; ``torch.manual_seed`` reproduces either. Not with a
+            window, softcap or sinks.
 
     Returns:
         ``[Tq, Hq, D]`` in q's dtype. A query row that sees no key (empty k/v
@@ -156,12 +170,19 @@ def ragged_attention(
         if not torch.compiler.is_compiling() and (cu_seqlens_q.device.type == "cpu" or debug_checks()):
             check_cu_seqlens_values(cu_seqlens_q, q.shape[0], "cu_seqlens_q", max_seqlen_q)
             check_cu_seqlens_values(cu_seqlens_k, k.shape[0], "cu_seqlens_k", max_seqlen_k)
+    if dropout_p != 0.0:
+        dropout_p = check_dropout(dropout_p, (left, right) != (-1, -1) or bool(softcap) or sinks is not None)
     if not torch._C._are_functorch_transforms_active():  # a constant to Dynamo
         # Autograd and AOTAutograd differentiate the op (or the LSE pair) through
         # its registered autograd.
         return attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal, float(scale), checked=True,
-            window_size=(left, right), softcap=softcap, sinks=sinks,
+            window_size=(left, right), softcap=softcap, sinks=sinks, dropout_p=dropout_p,
+        )
+    if dropout_p:
+        raise RuntimeError(
+            "ragged_attention with dropout_p > 0 under a torch.func transform is not supported (its random "
+            "mask is drawn inside the kernel); call it outside the transform, or with dropout_p=0"
         )
     if torch.compiler.is_compiling() and _differentiating_transform():
         raise RuntimeError(_NO_COMPILED_FUNC_GRAD)
@@ -187,7 +208,7 @@ setattr(
 
 def attention(
     q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, *, checked: bool = False,
-    window_size=(-1, -1), softcap: float = 0.0, sinks: torch.Tensor | None = None,
+    window_size=(-1, -1), softcap: float = 0.0, sinks: torch.Tensor | None = None, dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """The op a call runs: the LSE pair when it needs gradients and a kernel of its
     own trains it (``select.trains_with_lse``), else the inference op.
@@ -199,8 +220,15 @@ def attention(
     time than the kernel launch on small batches. ``checked``: the caller ran
     ``check_inputs`` (and ``check_variants``). Callers cast for autocast first
     (:func:`autocast_inputs`), as the checks need the cast dtypes. Variant calls
-    (``window_size``, ``softcap``, ``sinks``) always go through the dispatcher.
+    (``window_size``, ``softcap``, ``sinks``) and dropout (its own pair, which
+    draws the mask and hands the backward its state) always go through the
+    dispatcher.
     """
+    if dropout_p:
+        if not checked:
+            check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, float(dropout_p))
+        return torch.ops.ragged_compile.ragged_attention_dropout(*args)[0]
     if sinks is not None or softcap or window_size[0] >= 0 or window_size[1] >= 0:
         return _variant_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, checked, window_size, softcap, sinks)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -582,6 +610,117 @@ def _lse_backward(ctx, grad_out, _grad_lse, _grad_max_lens):
 _ragged_attention_lse.register_autograd(_lse_backward, setup_context=_lse_setup_context)
 
 
+# -- attention dropout: forward with its rng state, backward ------------------------------
+# A pair of its own: the forward draws random numbers (tagged so no compiler
+# dedups or recomputes it) and hands the backward the state that redraws them.
+
+_DROPOUT_TAGS = (torch.Tag.nondeterministic_seeded, *_TAGS)
+
+
+@torch.library.custom_op("ragged_compile::ragged_attention_dropout", mutates_args=(), tags=_DROPOUT_TAGS)
+def _ragged_attention_dropout(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Every device but CUDA: the reference, its masks from a seed of torch's CPU
+    # generator (torch.manual_seed reproduces them).
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    return _reference_dropout(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p)
+
+
+def _reference_dropout(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p):
+    max_lens = _max_lens(q, k, cu_seqlens_q, cu_seqlens_k)
+    seed = int(torch.randint(0, 1 << 62, (1,)).item())
+    out = reference_dropout_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p, seed)
+    lse = reference_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    return out, lse, max_lens, torch.tensor([seed, 0], dtype=torch.uint64, device=q.device)
+
+
+@_ragged_attention_dropout.register_fake
+def _ragged_attention_dropout_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p):
+    check_meta(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    torch._check(0.0 <= dropout_p < 1.0, lambda: f"dropout_p must be in [0, 1), got {dropout_p}")
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    rng_state = torch.empty(2, dtype=torch.uint64, device=q.device)
+    return q.new_empty(q.shape), lse, torch.empty(2, dtype=torch.int64, device="cpu"), rng_state
+
+
+@_ragged_attention_dropout.register_kernel("cuda")
+def _ragged_attention_dropout_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p):
+    # FlashAttention-2 with dropout (FlashInfer has none), the step's host lengths.
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    if select.dropout_kernel(q.device, q.dtype, q.shape[-1]) == "reference":
+        return _reference_dropout(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p)
+    max_q, max_k = get_runtime(q.device).max_lens(q, k, cu_seqlens_q, cu_seqlens_k)
+    out, lse, rng_state = flash_backward.forward_dropout(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale, dropout_p
+    )
+    return out, lse, torch.tensor([max_q, max_k], dtype=torch.int64), rng_state
+
+
+@torch.library.custom_op("ragged_compile::ragged_attention_dropout_backward", mutates_args=(), tags=_TAGS)
+def _ragged_attention_dropout_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_lens: torch.Tensor,
+    rng_state: torch.Tensor,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    seed = int(rng_state[0].item())
+    return reference_dropout_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p, seed)
+
+
+@_ragged_attention_dropout_backward.register_fake
+def _ragged_attention_dropout_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens,
+                                            rng_state, causal, scale, dropout_p):
+    torch._check(grad_out.shape == q.shape, lambda: f"grad_out {tuple(grad_out.shape)} must match q {tuple(q.shape)}")
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@_ragged_attention_dropout_backward.register_kernel("cuda")
+def _ragged_attention_dropout_backward_cuda(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens,
+                                            rng_state, causal, scale, dropout_p):
+    if select.dropout_kernel(q.device, q.dtype, q.shape[-1]) == "reference":  # as the forward decided
+        seed = int(rng_state[0].item())
+        return reference_dropout_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p, seed)
+    max_q, max_k = max_lens.tolist()  # a CPU tensor: no sync
+    return flash_backward.backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal,
+                                   scale, dropout_p=dropout_p, rng_state=rng_state)
+
+
+def _dropout_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p = inputs
+    out, lse, max_lens, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_lens, rng_state)
+    ctx.causal, ctx.scale, ctx.dropout_p = causal, scale, dropout_p
+    ctx.mark_non_differentiable(lse, max_lens, rng_state)
+
+
+def _dropout_backward(ctx, grad_out, _grad_lse, _grad_max_lens, _grad_rng_state):
+    q, k, v, out, lse, cu_q, cu_k, max_lens, rng_state = ctx.saved_tensors
+    dq, dk, dv = torch.ops.ragged_compile.ragged_attention_dropout_backward(
+        grad_out, q, k, v, out, lse, cu_q, cu_k, max_lens, rng_state, ctx.causal, ctx.scale, ctx.dropout_p
+    )
+    return dq, dk, dv, None, None, None, None, None
+
+
+_ragged_attention_dropout.register_autograd(_dropout_backward, setup_context=_dropout_setup_context)
+
+
 # -- autocast -------------------------------------------------------------------------
 # As SDPA: under torch.autocast the ops take q, k and v in autocast's dtype (a fixed
 # dtype, as torch.library.register_autocast takes, would be wrong for the other one).
@@ -611,6 +750,7 @@ def _register_autocast(name: str, floating: tuple[int, ...]) -> None:
 
 _register_autocast("ragged_attention", (0, 1, 2))
 _register_autocast("ragged_attention_lse", (0, 1, 2))
+_register_autocast("ragged_attention_dropout", (0, 1, 2))
 
 
 # -- torch.func -----------------------------------------------------------------------

@@ -36,6 +36,7 @@ import torch
 
 __all__ = [
     "reference_attention", "reference_attention_backward", "reference_lse",
+    "reference_dropout_attention", "reference_dropout_backward", "dropout_keep",
     "dense_attention", "dense_lse", "dense_gradients", "sees_key",
 ]
 
@@ -301,6 +302,59 @@ def _softmax(s, sinks=None, *, with_sink: bool = False):
     p = torch.softmax(torch.cat([s, col], dim=-1), dim=-1)
     p = torch.where((s == -math.inf).all(-1, keepdim=True), 0.0, p)
     return (p[..., :-1], p[..., -1:]) if with_sink else p[..., :-1]
+
+
+# -- attention dropout ------------------------------------------------------------------
+
+
+def dropout_keep(seed: int, segment: int, shape, dropout_p: float, device) -> torch.Tensor:
+    """The keep mask (bool ``shape``, ``[Hq, Lq, Lk]``) of the ``segment``-th non-empty
+    segment of a call whose dropout seed is ``seed``: each segment draws from its
+    own generator, so its mask depends on nothing else in the batch, and the
+    backward draws it again."""
+    g = torch.Generator(device=device).manual_seed((seed * 1_000_003 + segment) % (1 << 63))
+    return torch.rand(shape, generator=g, device=device) >= dropout_p
+
+
+def reference_dropout_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, dropout_p: float,
+                                seed: int) -> torch.Tensor:
+    """:func:`reference_attention` with attention dropout, as SDPA's: each probability
+    is kept with probability ``1 - dropout_p`` (mask: :func:`dropout_keep`) and the
+    kept ones scaled by ``1 / (1 - dropout_p)``. Differentiable (autograd gives
+    :func:`reference_dropout_backward`). Per segment: exact, not fast."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    segments = _dense_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, acc, q.device)
+    for i, (rows, _, s, _, vs, _) in enumerate(segments):
+        p = _softmax(s)
+        p = p * (dropout_keep(seed, i, p.shape, dropout_p, q.device).to(acc) / (1.0 - dropout_p))
+        out[rows] = torch.einsum("hqk,khd->qhd", p, vs)
+    return out.to(q.dtype)
+
+
+def reference_dropout_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float,
+                               dropout_p: float, seed: int):
+    """(dq, dk, dv) of :func:`reference_dropout_attention` with the same ``seed``: the
+    forward's masks again. With ``M`` the kept probabilities' scale (``keep / (1 -
+    p)``), ``O = (P * M) V``: dV = (P M)^T dO, dP = (dO V^T) * M,
+    dS = P * (dP - rowsum(dO * O)) * scale, dQ = dS K, dK = dS^T Q."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    grp = q.shape[1] // k.shape[1]
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    segments = _dense_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, acc, q.device)
+    for i, (rows, keys, s, ks, vs, _) in enumerate(segments):
+        p = _softmax(s)
+        m = dropout_keep(seed, i, p.shape, dropout_p, q.device).to(acc) / (1.0 - dropout_p)
+        go = grad_out[rows].to(acc)
+        o = torch.einsum("hqk,khd->qhd", p * m, vs)
+        dp = torch.einsum("qhd,khd->hqk", go, vs) * m
+        ds = p * (dp - (go * o).sum(-1).t()[..., None]) * scale
+        dq[rows] = torch.einsum("hqk,khd->qhd", ds, ks)
+        dk[keys] = torch.einsum("hqk,qhd->khd", ds, q[rows].to(acc)).unflatten(1, (-1, grp)).sum(2)
+        dv[keys] = torch.einsum("hqk,qhd->khd", p * m, go).unflatten(1, (-1, grp)).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def dense_attention(

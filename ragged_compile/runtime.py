@@ -266,6 +266,18 @@ class Runtime:
                     return self.attention_with_lse(q, k, v, cu_q, cu_k, causal, scale, window)
         return step.attention_with_lse(q, k, v, cu_q, cu_k, causal, scale, window)
 
+    def max_lens(self, q, k, cu_q, cu_k) -> tuple[int, int]:
+        """The longest q and k segment of these offsets (for kernels that size their
+        grid from them, as FlashAttention-2's), from the step's host layout: read
+        once per layout, as planning does."""
+        step = current_step()
+        if step is None or step.runtime is not self:
+            step = self._retained_step(cu_q, cu_k) or self._step_for(cu_q, cu_k)
+            if step is None:
+                with self.step():
+                    return self.max_lens(q, k, cu_q, cu_k)
+        return step.max_lens(q, k, cu_q, cu_k)
+
     def _retained_step(self, cu_q: torch.Tensor, cu_k: torch.Tensor) -> Step | None:
         with self._lock:
             retained = list(self._retained)

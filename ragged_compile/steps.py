@@ -86,6 +86,10 @@ class Step(abc.ABC):
     def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1)):
         """The training forward's CUDA kernel: ``(out, lse, (max_q, max_k))``."""
 
+    @abc.abstractmethod
+    def max_lens(self, q, k, cu_q, cu_k) -> tuple[int, int]:
+        """The longest q and k segment of these offsets, from the host layout."""
+
     def knows(self, cu_q: torch.Tensor, cu_k: torch.Tensor) -> bool:
         """Whether this step identified these offsets."""
         return False
@@ -357,6 +361,9 @@ class PlannedStep(Step):
         slot = rt.plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale, window_left, softcap)
         rt.count("flashinfer")
         return fi.run(slot.wrapper, q, k, v)
+
+    def max_lens(self, q, k, cu_q, cu_k) -> tuple[int, int]:
+        return self._checked_layout(q, k, cu_q, cu_k).max_lens
 
     def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1)):
         """:meth:`attention` for training: also the LSE in the backward's layout

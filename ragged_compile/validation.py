@@ -334,6 +334,23 @@ def check_variants(q: torch.Tensor, window_size, softcap, sinks) -> tuple[int, i
     return left, right, softcap
 
 
+def check_dropout(dropout_p, with_variant: bool) -> float:
+    """``dropout_p`` as a float in [0, 1), or a clear error."""
+    if type(dropout_p).__module__ == "numpy" and hasattr(dropout_p, "item"):
+        dropout_p = dropout_p.item()
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1) (0: no dropout; pass 0 outside training), got {dropout_p}")
+    if dropout_p and with_variant:
+        raise ValueError(
+            "dropout_p > 0 with window_size, softcap or sinks has no kernel; drop one of them (for inference "
+            "pass dropout_p=0)"
+        )
+    return dropout_p
+
+
 def check_variants_meta(q, window_left, window_right, softcap, sinks) -> None:
     """The ops' fake-kernel checks of the variant arguments (``torch._check``)."""
     torch._check(window_left >= -1, lambda: f"window_left must be >= -1 (-1: unbounded), got {window_left}")

@@ -442,7 +442,8 @@ def test_windows_run_flashattention2_with_the_steps_host_lengths(monkeypatch, fa
                     window_size_right):
         seen.append((max_q, max_k, window_size_left, window_size_right))
         out = rc.reference_attention(q, k, v, cu_q, cu_k, causal, scale, window_size=(window_size_left, window_size_right))
-        return out, None, None, None, None
+        lse = torch.zeros(q.shape[1], q.shape[0])
+        return out, lse, torch.zeros(2, dtype=torch.uint64), None, None
 
     monkeypatch.setattr(flash_backward, "_forward_kernel", fa2_forward)
     q, k, v = _qkv(60, d=16)

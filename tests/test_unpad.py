@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
-from _hf_common import pad_mask  # noqa: E402
+from _hf_common import Count, pad_mask  # noqa: E402
 from ragged_compile import hf, hf_unpad, logs  # noqa: E402
 from test_host_reads import HostReads  # noqa: E402  (scalar reads outside our op)
 
@@ -744,16 +744,26 @@ def test_cuda_one_sync_per_forward(family, suffix, left):
 
 
 @pytest.mark.cuda
-def test_cuda_attention_dropout_in_training_runs_padded(caplog):
+def test_cuda_attention_dropout_in_training_runs_packed():
+    """BERT's default attention dropout (0.1) in training on CUDA: packed, every
+    layer on our dropout op (FlashAttention-2), reproducible under manual_seed,
+    gradients for every parameter."""
     from transformers import BertConfig, BertForMaskedLM
 
     cfg = BertConfig(vocab_size=V, max_position_embeddings=64, hidden_size=256, num_attention_heads=4,
-                     num_hidden_layers=2, intermediate_size=512)  # attention dropout 0.1
-    model = BertForMaskedLM(cfg).cuda().train()
+                     num_hidden_layers=2, intermediate_size=512, hidden_dropout_prob=0.0)  # attention dropout 0.1
+    model = hf_unpad.unpad(BertForMaskedLM(cfg).cuda().bfloat16().train())
     kw = _cuda_inputs("bert", [20, 5, 32], 32)
     kw["labels"] = kw["input_ids"].masked_fill(~kw["attention_mask"].bool(), -100)
-    rows = fallback(model, lambda m: m(**kw), "attention dropout in training", caplog)
-    assert rows == []  # hf.py runs stock SDPA with dropout in every layer, as without unpad
+    dropout_op = (torch.ops.ragged_compile.ragged_attention_dropout.default,)
+    with Tokens() as t, Count(dropout_op) as c:
+        torch.manual_seed(0)
+        loss = model(**kw).loss
+    assert packed(t.rows, kw["attention_mask"].bool().cpu()) and c.n == 2
+    torch.manual_seed(0)
+    assert torch.equal(model(**kw).loss, loss) and torch.isfinite(loss)
+    loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "pooler" not in n)
 
 
 @pytest.mark.cuda

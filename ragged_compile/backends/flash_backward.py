@@ -35,7 +35,10 @@ import torch
 
 from . import pad_head_dim
 
-__all__ = ["unsupported_reason", "fa2_head_dim", "lse_from_flashinfer", "forward", "backward", "with_sinks", "sinks_grad"]
+__all__ = [
+    "unsupported_reason", "fa2_head_dim", "lse_from_flashinfer", "forward", "forward_dropout", "backward",
+    "with_sinks", "sinks_grad",
+]
 
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16)
@@ -107,12 +110,24 @@ def forward(
     """``(out, lse)`` of ``ragged_attention(q, k, v, cu_q, cu_k, causal, scale,
     window_size=window)``; ``lse`` in the backward's layout (``[Hq, Tq]`` fp32,
     natural log, ``+inf`` for keyless rows). ``max_q``/``max_k``: host ints."""
+    return _forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, 0.0)[:2]
+
+
+def forward_dropout(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, dropout_p: float):
+    """:func:`forward` with attention dropout: ``(out, lse, rng_state)``, where
+    ``rng_state`` (uint64 ``[2]`` on the device: the philox seed and offset the
+    kernel drew from CUDA's default generator) makes :func:`backward` drop the same
+    probabilities. ``lse`` is of the undropped scores, as the backward takes it."""
+    return _forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, (-1, -1), dropout_p)
+
+
+def _forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, dropout_p):
     if cu_q.numel() - 1 == 0 or max_q == 0 or max_k == 0 or q.shape[0] == 0 or k.shape[0] == 0:
         lse = torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float32, device=q.device)
-        return q.new_zeros(q.shape), lse
+        return q.new_zeros(q.shape), lse, torch.zeros(2, dtype=torch.uint64, device=q.device)
     d = q.shape[-1]
     dp = fa2_head_dim(d)
-    out, lse, *_ = _forward_kernel(
+    out, lse, rng_state, *_ = _forward_kernel(
         pad_head_dim(q, dp),
         pad_head_dim(k, dp),
         pad_head_dim(v, dp),
@@ -120,7 +135,7 @@ def forward(
         cu_k.to(torch.int32).contiguous(),
         max_q,
         max_k,
-        0.0,
+        dropout_p,
         causal,
         False,
         scale=scale,
@@ -129,7 +144,7 @@ def forward(
     )
     if dp != d:
         out = out[..., :d].contiguous()
-    return out, lse
+    return out, lse, rng_state.to(q.device)
 
 
 def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,9 +180,12 @@ def backward(
     causal: bool,
     scale: float,
     window: tuple[int, int] = (-1, -1),
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) for ``out = ragged_attention(q, k, v, cu_q, cu_k, causal, scale,
-    window_size=window)``.
+    window_size=window)``; with ``dropout_p``, of :func:`forward_dropout`'s output,
+    whose ``rng_state`` it takes.
 
     ``lse``: aten layout ``[Hq, Tq]`` (see :func:`lse_from_flashinfer`);
     ``max_q``/``max_k``: host ints, the longest q and k segment (no sync here).
@@ -190,9 +208,9 @@ def backward(
         cu_k.to(torch.int32).contiguous(),
         max_q,
         max_k,
-        0.0,
+        dropout_p,
         causal,
-        *_unused_state(q.device),
+        *(_unused_state(q.device) if rng_state is None else (rng_state, _unused_state(q.device)[1])),
         scale=scale,
         window_size_left=window[0],
         window_size_right=window[1],
@@ -205,7 +223,8 @@ def backward(
 @functools.cache
 def _unused_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     # No dropout: the kernel reads neither its rng state nor the "unused" tensor,
-    # so one pair per device serves every call (and allocates nothing per call).
+    # so one pair per device serves every call (and allocates nothing per call);
+    # with dropout the forward's rng state replaces the first.
     return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
 
 

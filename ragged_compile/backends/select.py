@@ -60,6 +60,7 @@ __all__ = [
     "SINKS",
     "variant",
     "cuda_runs_reference",
+    "dropout_kernel",
     "flashinfer_window",
     "forward_kernel",
     "forward_reason",
@@ -383,11 +384,24 @@ def _warn_fa4(reason: str) -> None:
     warn_once(f"flash-attn-4 is installed but {reason}: training uses FlashAttention-2's (slower) backward")
 
 
+# -- attention dropout ---------------------------------------------------------------
+
+
+def dropout_kernel(device: torch.device, dtype: torch.dtype, head_dim) -> str:
+    """The kernel of a call with attention dropout, forward and backward: ``"fa2"``
+    (PyTorch's FlashAttention-2, which draws the mask in the kernel; FlashInfer has
+    no dropout) on CUDA where it runs, else ``"reference"`` (exact, per segment)."""
+    if device.type == "cuda" and isinstance(head_dim, int) and flash_backward.unsupported_reason(device, dtype, head_dim) is None:
+        return "fa2"
+    return "reference"
+
+
 # -- rewrites ------------------------------------------------------------------------
 
 
 def unsupported_reason(
-    device: torch.device, dtype: torch.dtype, head_dim, *, training: bool = False, variant: tuple[str, ...] = ()
+    device: torch.device, dtype: torch.dtype, head_dim, *, training: bool = False, variant: tuple[str, ...] = (),
+    dropout: bool = False,
 ) -> str | None:
     """Why a rewrite (the NJT handler, the Inductor passes, hf.py) should leave an
     attention call to stock PyTorch, or None to put it on the op.
@@ -409,6 +423,11 @@ def unsupported_reason(
     """
     if dtype not in SUPPORTED_DTYPES:
         return f"dtype {dtype} is not supported"
+    if dropout:
+        if variant:
+            return "attention dropout with a window, softcap or sinks has no kernel"
+        if dropout_kernel(device, dtype, head_dim) == "reference":
+            return "attention dropout would run the (slow, exact) reference kernel here (FlashAttention-2 runs it on CUDA)"
     if device.type != "cuda":
         return None
     if not isinstance(head_dim, int):

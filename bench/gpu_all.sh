@@ -31,6 +31,9 @@ tests() {
   # five at a time (a dozen at once on 16 cores had not finished after 330 s)
   step warm python3 bench/warm_kernels.py fa2:64:bf16 fa2:128:bf16 fa3:64:bf16 fa3:128:bf16 fa2:256:bf16
   step warm-2 python3 bench/warm_kernels.py fa2:64:fp16 fa2:128:fp16 fa2:256:fp16 fa3:256:fp16 fa3:128:fp16
+  # soft-capped (and left-windowed) plans are modules of their own
+  step warm-variants python3 bench/warm_kernels.py fa2:64:bf16:softcap fa3:64:bf16:softcap \
+    fa2:64:bf16:softcap+window fa3:64:bf16:softcap+window
   step cuda-tests env RAGGED_COMPILE_BACKEND=fa2 RAGGED_FUZZ_CUDA_EXAMPLES="${FUZZ_N:-1000}" \
     RAGGED_GRAPH_STEPS="${GRAPH_N:-1000}" python3 -m pytest -q -rs -m cuda tests fuzz \
     --ignore fuzz/test_fuzz_grad_cuda.py --ignore tests/test_distributed.py

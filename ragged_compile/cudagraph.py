@@ -195,7 +195,7 @@ class GraphStep(Step):
             )
         return kind
 
-    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal, scale, window=(-1, -1)):
+    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal, scale, window=(-1, -1), trains=True):
         raise RuntimeError(
             "CUDA-graph mode is inference-only (a replay records no autograd graph): it "
             "captures under torch.no_grad(); train the model outside graph mode"

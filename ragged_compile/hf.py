@@ -63,6 +63,7 @@ DROPOUT = "dropout in training"
 POSITION_BIAS = "position_bias"
 WINDOW_LAYOUT = "sliding window on a non-causal call with more keys than queries"
 SHORT_WINDOW = "sliding window shorter than a sequence"  # graph mode's (hf_graphs.py): no window in a graph
+GRAPH_VARIANT = "softcap or sinks in CUDA-graph mode"  # graph mode's: graph plans take no variant
 NOT_RAGGED = "non-ragged attention mask"
 COMPILED_4D_MASK = "4-D mask under torch.compile (checked for a ragged pattern only in eager)"
 OUTPUT_ATTENTIONS = "output_attentions"
@@ -74,7 +75,7 @@ OFF_INTERFACE = "model class not on transformers' attention interface"
 
 # The README's table of what falls back.
 FALLBACKS = (
-    DROPOUT, POSITION_BIAS, WINDOW_LAYOUT, SHORT_WINDOW, NOT_RAGGED, COMPILED_4D_MASK, OUTPUT_ATTENTIONS,
+    DROPOUT, POSITION_BIAS, WINDOW_LAYOUT, SHORT_WINDOW, GRAPH_VARIANT, NOT_RAGGED, COMPILED_4D_MASK, OUTPUT_ATTENTIONS,
     HEAD_DIMS_DIFFER, HEADS_NOT_GROUPED, UNSUPPORTED, OFF_INTERFACE,
 )
 

@@ -283,15 +283,18 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         )
     reason = hf._reason(module, query, key, value, dropout, kwargs)
     window = kwargs.get("sliding_window")
+    softcap, sinks = hf._variants(kwargs)
     if reason is None and window is not None and window < max(sq, sk):
         reason = hf.SHORT_WINDOW  # static: every padded row's queries span sq
+    if reason is None and query.is_cuda and (softcap or sinks is not None):
+        # graph plans take no variant (cudagraph.GraphStep): the model's own attention
+        reason = hf.GRAPH_VARIANT
     if reason is not None:  # the model's eager attention on the padded mask: device work only
         return hf._stock(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs, reason)
     seg = layouts.layout(attention_mask, sq, causal)
     q = query.transpose(1, 2).reshape(b * sq, hq, d)
     k, v = (t.transpose(1, 2).reshape(b * sk, t.shape[1], d) for t in (key, value))
-    softcap, sinks = hf._variants(kwargs)  # where _reason took them (CPU): on the op
-    variants = {"softcap": softcap, "sinks": sinks} if softcap or sinks is not None else {}
+    variants = {"softcap": softcap, "sinks": sinks} if softcap or sinks is not None else {}  # CPU: on the op
     out = ragged_attention(q, k, v, seg.cu_q, seg.cu_k, causal=causal, scale=scaling, **variants)
     return out.view(b, sq, hq, d), None
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .backends import select
 from .logs import log, warn_once
 
 __all__ = ["unpad", "is_unpadded", "FALLBACKS", "FAMILIES"]
@@ -129,6 +130,19 @@ _PACKED_INPUTS = ("input_ids", "inputs_embeds", "token_type_ids", "position_ids"
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _KNOWN_OFFSETS_DEVICES = ("cuda",)  # where the op plans from host offsets (runtime.py)
 _CTX = "_ragged_unpad"  # private kwarg our top-level wrapper hands the head's base-model call
+
+
+def _dropout_runs_on_op(base, config, ref) -> bool:
+    """Whether the op takes this model's attention dropout (FlashAttention-2 on CUDA,
+    in the dtype the attention will compute in)."""
+    if not isinstance(ref, torch.Tensor) or ref.device.type != "cuda":
+        return False
+    dtype = (torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda")
+             else next(base.parameters()).dtype)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", None)
+    dim = getattr(config, "hidden_size", None) or getattr(config, "dim", None)
+    head_dim = getattr(config, "head_dim", None) or (dim // heads if dim and heads else None)
+    return head_dim is not None and select.dropout_kernel(ref.device, dtype, head_dim) == "fa2"
 
 
 # -- public API -----------------------------------------------------------------
@@ -350,9 +364,9 @@ def _static_reason(state, call, ctx) -> str | None:
     mask = call.get("attention_mask")
     ref = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
     if (base.training and any((getattr(config, k, 0) or 0) > 0 for k in state.family.dropout)
-            and not (isinstance(ref, torch.Tensor) and ref.device.type == "cuda")):
-        # CUDA: the op's FlashAttention-2 drops out; elsewhere the packed call would
-        # hand the model's own attention a dense mask
+            and not _dropout_runs_on_op(base, config, ref)):
+        # where no kernel of the op drops out, the packed call would hand the model's
+        # own attention a dense [T, T] mask
         return "attention dropout in training"
     if (not isinstance(mask, torch.Tensor) or ref is None or mask.dim() != 2
             or tuple(mask.shape) != tuple(ref.shape[:2])):

@@ -227,6 +227,8 @@ def attention(
     if dropout_p:
         if not checked:
             check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+            has_variant = sinks is not None or bool(softcap) or tuple(window_size) != (-1, -1)
+            dropout_p = check_dropout(dropout_p, has_variant)
         args = (q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, float(dropout_p))
         return torch.ops.ragged_compile.ragged_attention_dropout(*args)[0]
     if sinks is not None or softcap or window_size[0] >= 0 or window_size[1] >= 0:
@@ -363,7 +365,7 @@ def _ragged_attention_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, w
         )
     if sinks is not None:  # a fused forward's output and LSE, rescaled
         out, lse, _ = get_runtime(q.device).attention_with_lse(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, _window(variant, window)
+            q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, _window(variant, window), trains=False
         )
         return flash_backward.with_sinks(out, lse, sinks)[0]
     return get_runtime(q.device).attention(

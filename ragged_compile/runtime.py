@@ -250,7 +250,8 @@ class Runtime:
         implicit = self._local.implicit = ImplicitStep(self)
         return implicit
 
-    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1)):
+    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1),
+                           trains: bool = True):
         """The training forward's kernel: see :meth:`PlannedStep.attention_with_lse <ragged_compile.steps.PlannedStep.attention_with_lse>`.
 
         Outside a step (an activation-checkpoint recompute runs in the backward,
@@ -263,8 +264,8 @@ class Runtime:
             step = self._retained_step(cu_q, cu_k) or self._step_for(cu_q, cu_k)
             if step is None:
                 with self.step():
-                    return self.attention_with_lse(q, k, v, cu_q, cu_k, causal, scale, window)
-        return step.attention_with_lse(q, k, v, cu_q, cu_k, causal, scale, window)
+                    return self.attention_with_lse(q, k, v, cu_q, cu_k, causal, scale, window, trains)
+        return step.attention_with_lse(q, k, v, cu_q, cu_k, causal, scale, window, trains)
 
     def max_lens(self, q, k, cu_q, cu_k) -> tuple[int, int]:
         """The longest q and k segment of these offsets (for kernels that size their
@@ -314,7 +315,10 @@ class Runtime:
             hq=hq, hkv=hkv, head_dim=d, causal=causal,
         )
         self.last_backend = backend
-        slot = self._acquire(step, (backend, hq, hkv, fi.flashinfer_head_dim(d), dtype, causal, stream))
+        # a wrapper per variant too: a model alternating windowed and full layers plans
+        # both per layout, each within its own configuration's limit
+        config = (backend, hq, hkv, fi.flashinfer_head_dim(d), dtype, causal, window_left, softcap, stream)
+        slot = self._acquire(step, config)
         fi.plan(slot.wrapper, layout.cu_q, layout.cu_k, hq, hkv, d, dtype, causal, scale,
                 window_left=window_left, softcap=softcap)
         slot.event = torch.cuda.Event()

@@ -83,8 +83,10 @@ class Step(abc.ABC):
         ``softcap`` > 0 caps the scores (0: off)."""
 
     @abc.abstractmethod
-    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1)):
-        """The training forward's CUDA kernel: ``(out, lse, (max_q, max_k))``."""
+    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1),
+                           trains: bool = True):
+        """The training forward's CUDA kernel: ``(out, lse, (max_q, max_k))``;
+        ``trains=False``: an inference call that needs the LSE (sinks)."""
 
     @abc.abstractmethod
     def max_lens(self, q, k, cu_q, cu_k) -> tuple[int, int]:
@@ -342,13 +344,14 @@ class PlannedStep(Step):
         if window != (-1, -1) and not softcap:  # the caller checked select.forward_kernel: "fa2"
             layout = self._checked_layout(q, k, cu_q, cu_k)
             rt.count("fa2")
+            rt.last_backend = "fa2"
             return flash_backward.forward(q, k, v, cu_q, cu_k, *layout.max_lens, causal, scale, window)[0]
         reason = select.forward_reason(q.device, q.dtype, q.shape[-1])
         if reason is not None:
             warn_once(f"{reason}: CUDA ragged attention runs the (slow, exact) reference kernel")
             rt.count("reference")
             rt.last_backend = "reference"
-            return reference_attention(q, k, v, cu_q, cu_k, causal, scale)
+            return reference_attention(q, k, v, cu_q, cu_k, causal, scale, window_size=window, softcap=softcap)
         total_q, total_k = q.shape[0], k.shape[0]
         layout = self._checked_layout(q, k, cu_q, cu_k)
         if total_q == 0:
@@ -365,18 +368,21 @@ class PlannedStep(Step):
     def max_lens(self, q, k, cu_q, cu_k) -> tuple[int, int]:
         return self._checked_layout(q, k, cu_q, cu_k).max_lens
 
-    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1)):
+    def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1),
+                           trains: bool = True):
         """:meth:`attention` for training: also the LSE in the backward's layout
         (``[Hq, Tq]`` fp32, natural log, ``+inf`` for keyless rows; see
         backends/flash_backward.py) and the longest q and k segment from the host
-        layout, so the backward needs no sync. The caller checked support."""
+        layout, so the backward needs no sync. The caller checked support.
+        ``trains``: the runtime keeps the step for recomputes (not for inference)."""
         rt = self.runtime
-        self.trains = True
+        self.trains = self.trains or trains
         total_q, total_k = q.shape[0], k.shape[0]
         layout = self._checked_layout(q, k, cu_q, cu_k)
         max_lens = layout.max_lens
         if window != (-1, -1):  # FlashAttention-2's forward, whose LSE its backward takes as it is
             rt.count("fa2")
+            rt.last_backend = "fa2"
             out, lse = flash_backward.forward(q, k, v, cu_q, cu_k, *max_lens, causal, scale, window)
             return out, lse, max_lens
         if total_q == 0 or total_k == 0:

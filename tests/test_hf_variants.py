@@ -360,3 +360,21 @@ def test_cuda_padded_batches_match_eager_in_bf16(kind, left):
     scale = ref[valid].abs().max()
     assert (out[valid] - ref[valid]).abs().max() <= 3e-2 * scale
     assert c.n == CUDA_ON_OP[kind]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])
+def test_cuda_graph_mode_runs_softcap_and_sinks_on_the_models_attention(kind):
+    """Graph plans take no variant: under hf.graphed on CUDA, soft-capped and sink
+    layers run the model's own attention inside the graph, equal to eager."""
+    model = _family(kind, 64).cuda()
+    ids = torch.randint(2, 62, (3, 12))
+    mask = pad_mask([12, 5, 9], 12)
+    kw = dict(input_ids=(ids * mask).cuda(), attention_mask=mask.cuda(), use_cache=False)
+    with torch.no_grad():
+        ref = _out(model, **kw)
+    g = hf.graphed(model, [(4, 16)])
+    with torch.no_grad():
+        out = _out(g, **kw)
+    valid = mask.bool().cuda()
+    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-4, atol=1e-4)

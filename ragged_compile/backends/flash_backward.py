@@ -142,8 +142,8 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, dropout_p
         window_size_left=window[0],
         window_size_right=window[1],
     )
-    if dp != d:
-        out = out[..., :d].contiguous()
+    # the kernel's output takes q's strides (empty_like); the op promises a dense one
+    out = out[..., :d].contiguous() if dp != d else out.contiguous()
     return out, lse, rng_state.to(q.device)
 
 
@@ -156,7 +156,7 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tup
     stay zero with ``+inf``."""
     sink = sinks.detach().float()[:, None]
     scaled = out.float() * torch.sigmoid(lse - sink).t()[..., None]
-    return scaled.to(out.dtype), torch.logaddexp(lse, sink)
+    return scaled.to(out.dtype).contiguous(), torch.logaddexp(lse, sink)
 
 
 def sinks_grad(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

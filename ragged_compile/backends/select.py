@@ -6,9 +6,10 @@ The one place that decides, for every device and direction:
 question            answer
 ==================  =====================================================================
 forward             :func:`forward_kernel`: ``"cpu"`` (the fused CPU kernel, cpu.py),
-                    ``"flashinfer"`` (CUDA, flashinfer.py) or ``"reference"``
-                    (reference.py: float64, other devices, ``RAGGED_COMPILE_REFERENCE``,
-                    CUDA calls FlashInfer cannot take)
+                    ``"flashinfer"`` (CUDA, flashinfer.py), ``"fa2"`` (CUDA windows,
+                    flash_backward.py) or ``"reference"`` (reference.py: float64,
+                    other devices, ``RAGGED_COMPILE_REFERENCE``, CUDA calls no fast
+                    kernel takes)
 FlashInfer family   :func:`flashinfer_backend`: ``"fa2"`` or ``"fa3"`` per layout, from a
                     cost table measured on the H200
 training            :func:`trains_with_lse`: whether a grad-requiring call runs the LSE
@@ -16,6 +17,7 @@ training            :func:`trains_with_lse`: whether a grad-requiring call runs 
 backward            :func:`backward_kernel`: ``"fa4"`` (flash-attn-4, SM90) or ``"fa2"``
                     (PyTorch's FlashAttention-2) on CUDA; the CPU kernel's or the
                     reference's own backward elsewhere
+dropout             :func:`dropout_kernel`: ``"fa2"`` on CUDA, else ``"reference"``
 rewrites, hf.py     :func:`unsupported_reason`: why a call should stay with stock
                     PyTorch, or None
 variants            :func:`variant`: which of ``"window"``, ``"softcap"``, ``"sinks"`` a
@@ -28,12 +30,15 @@ Variants, where they run:
 ==========  ================================  =========================================
 variant     CPU                               CUDA
 ==========  ================================  =========================================
-window      the fused CPU kernel (a band      the reference kernel, forward and
-            mask per piece)                   backward, said once at WARNING
-sinks       the fused CPU kernel (output and  (FlashInfer kernels for the variants are
-            LSE rescaled; exact backward)     planned, not wired)
-softcap     the reference kernel (the fused
-            kernel cannot cap scores)
+window      the fused CPU kernel (a band      PyTorch's FlashAttention-2, forward and
+            mask per piece)                   backward (both sides bounded)
+sinks       the fused CPU kernel (output and  a fused forward's output and LSE
+            LSE rescaled; exact backward)     rescaled; FlashAttention-2's backward
+softcap     the reference kernel (the fused   FlashInfer's forward (capped at plan
+            kernel cannot cap scores)         time, a left window too); the
+                                              reference's gradients
+softcap +   the reference kernel              the reference kernel, said once at
+sinks                                         WARNING
 ==========  ================================  =========================================
 
 Each reason is one message, written once below. Kernels and variants plug in
@@ -340,7 +345,7 @@ def backward_kernel(
     fast on SM90, when installed) or ``"fa2"`` (PyTorch's FlashAttention-2).
     ``layout``, (segments, total q, total k): floods of short segments stay on
     FA2 (:func:`fa4_backward.pads_little`). Windows and sinks: FA2
-    (flash-attn-4's variants are not wired).
+    (flash-attn-4's variants are not wired), even where ``fa4`` is forced.
 
     ``RAGGED_COMPILE_BACKWARD=fa2|fa4`` forces one; ``fa4`` where it cannot run
     is an error that says why. Under ``torch.use_deterministic_algorithms(True)``
@@ -423,11 +428,12 @@ def unsupported_reason(
     """
     if dtype not in SUPPORTED_DTYPES:
         return f"dtype {dtype} is not supported"
-    if dropout:
+    if dropout:  # FlashAttention-2 both ways, or nothing fast
         if variant:
             return "attention dropout with a window, softcap or sinks has no kernel"
         if dropout_kernel(device, dtype, head_dim) == "reference":
             return "attention dropout would run the (slow, exact) reference kernel here (FlashAttention-2 runs it on CUDA)"
+        return None
     if device.type != "cuda":
         return None
     if not isinstance(head_dim, int):

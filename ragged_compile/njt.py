@@ -50,7 +50,7 @@ from torch.nested._internal.nested_tensor import (
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.ragged_compile.ragged_attention)
-from .backends.select import training_reason, unsupported_reason
+from .backends.select import dropout_kernel, training_reason, unsupported_reason
 from .logs import log, warn_once
 from .ops import attention, autocast_inputs
 
@@ -109,9 +109,10 @@ def enable() -> Iterator[None]:
     like any eager code. Compile with :func:`ragged_compile.compile` for our op
     in compiled code.
 
-    With ``dropout_p > 0`` our op cannot serve the call: on CPU it runs dense
-    SDPA with dropout over padded segments (:func:`_padded_sdpa`), elsewhere
-    stock NJT SDPA; either way a warning says so once. Indivisible head counts
+    With ``dropout_p > 0`` our op's dropout (PyTorch's FlashAttention-2, on CUDA)
+    serves the call where it runs; elsewhere, on CPU, dense SDPA with dropout
+    over padded segments (:func:`_padded_sdpa`), else stock NJT SDPA, with a
+    warning, once. Indivisible head counts
     raise an error naming ``enable_gqa`` instead of stock's matmul error.
     """
     install()
@@ -348,7 +349,7 @@ def _ragged_sdpa(
         return stock()
     query, key, value = autocast_inputs(query, key, value)  # as stock SDPA under autocast
     reason = _stock_reason(query, key, value, attn_mask, is_causal, enable_gqa)
-    if reason is None and dropout_p > 0.0:
+    if reason is None and dropout_p > 0.0 and dropout_kernel(query.device, query.dtype, query.size(-1)) != "fa2":
         if query.device.type == "cpu":
             _note(
                 logging.WARNING,
@@ -356,7 +357,8 @@ def _ragged_sdpa(
                 "calls run dense SDPA with dropout over padded segments (slower)",
             )
             return _padded_sdpa(query, key, value, dropout_p, is_causal, scale, enable_gqa)
-        reason = f"dropout_p={dropout_p}: ragged_compile's op has no dropout"
+        reason = (f"dropout_p={dropout_p}: ragged_compile's dropout kernel (PyTorch's FlashAttention-2: CUDA, "
+                  f"float16/bfloat16, head dim <= 256, SM80+) does not take this call")
     if reason is not None:
         # Users who expect our op here (missing transpose, grad mode, dropout) get a warning.
         warn = any(w in reason for w in ("transpose", "require grad", "dropout"))
@@ -378,7 +380,7 @@ def _ragged_sdpa(
                 raise type(e)(msg) from e
             e.add_note(msg)
             raise
-    return _on_our_op(query, key, value, is_causal, scale)
+    return _on_our_op(query, key, value, is_causal, scale, dropout_p)
 
 
 def _check_layouts(q: NestedTensor, k: NestedTensor, v: NestedTensor, is_causal: bool) -> None:
@@ -392,7 +394,7 @@ def _check_layouts(q: NestedTensor, k: NestedTensor, v: NestedTensor, is_causal:
         torch.ops.ragged_compile.check_same_segments(cu_q, cu_k, _CAUSAL_MISMATCH)
 
 
-def _on_our_op(query, key, value, is_causal, scale) -> Tensor:
+def _on_our_op(query, key, value, is_causal, scale, dropout_p: float = 0.0) -> Tensor:
     # [B, H, j, D] -> [B, j, H, D], whose values are the packed [T, H, D] tensor.
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     _check_layouts(q, k, v, is_causal)
@@ -404,7 +406,7 @@ def _on_our_op(query, key, value, is_causal, scale) -> Tensor:
         f"NJT SDPA -> ragged_attention (causal={bool(is_causal)}, heads "
         f"{query.size(1)}/{key.size(1)}, {'self' if cu_q is cu_k else 'cross'}-attention)",
     )
-    out = attention(q.values(), k.values(), v.values(), cu_q, cu_k, bool(is_causal), scale)
+    out = attention(q.values(), k.values(), v.values(), cu_q, cu_k, bool(is_causal), scale, dropout_p=dropout_p)
     out = nested_view_from_values_offsets_lengths(
         out, cu_q, None, min_seqlen=q._maybe_min_seqlen, max_seqlen=q._maybe_max_seqlen
     )

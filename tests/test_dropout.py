@@ -234,3 +234,32 @@ def test_cuda_gradients_are_exact_for_the_mask_flashattention2_drew(causal):
     torch.testing.assert_close(out.double().cpu(), ref_out.detach(), rtol=3e-2, atol=3e-2)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double().cpu(), b, rtol=5e-2, atol=5e-2)
+
+
+def test_njt_sdpa_dropout_runs_our_op_where_a_kernel_takes_it(monkeypatch):
+    """NJT SDPA with dropout_p under enable(): our dropout op where select says a
+    kernel takes it (FlashAttention-2 on CUDA; here forced, on the reference),
+    reproducible under manual_seed; otherwise the CPU keeps dense SDPA with dropout."""
+    from ragged_compile import njt
+
+    def sdpa(x):
+        h = x.unflatten(-1, (4, 16)).transpose(1, 2)
+        return F.scaled_dot_product_attention(h, h, h, dropout_p=0.3)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.nested.nested_tensor([torch.randn(n, 64, generator=g) for n in (5, 12, 1)], layout=torch.jagged)
+    from _hf_common import Count
+
+    dropout_op = torch.ops.ragged_compile.ragged_attention_dropout.default
+    monkeypatch.setattr(njt, "dropout_kernel", lambda device, dtype, head_dim: "fa2")
+    with rc.enable():
+        with Count((dropout_op,)) as c:
+            torch.manual_seed(2)
+            a = sdpa(x)
+        torch.manual_seed(2)
+        b = sdpa(x)
+    assert c.n == 1 and torch.equal(a.values(), b.values())
+    monkeypatch.setattr(njt, "dropout_kernel", lambda device, dtype, head_dim: "reference")
+    with rc.enable(), Count((dropout_op,)) as c:
+        sdpa(x)
+    assert c.n == 0  # CPU: dense SDPA with dropout over padded segments

@@ -224,8 +224,8 @@ def test_attn_mask_keeps_stock_error(caplog):
 
 
 def test_dropout_on_cpu_runs_padded_sdpa_with_a_warning(caplog, monkeypatch):
-    """Our op has no dropout; on CPU (where stock cannot run most of these) the call
-    runs dense SDPA with dropout over padded segments, and says so once."""
+    """Our op's dropout kernel is CUDA's; on CPU (where stock cannot run most of
+    these) the call runs dense SDPA with dropout over padded segments, and says so once."""
     calls = []
     monkeypatch.setattr(torch.ops.ragged_compile, "ragged_attention", lambda *a: calls.append(a))
     monkeypatch.setattr(logs, "_seen", set())

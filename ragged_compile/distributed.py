@@ -18,6 +18,9 @@ op                                  head-sharded strategy
 ``ragged_attention_lse_backward``   grad_out, q, k, v, out ``Shard(1)``, lse
                                     ``Shard(0)`` -> dq, dk, dv ``Shard(1)``
 ``ragged_attention_backward``       grad_out, q, k, v ``Shard(1)`` -> ``Shard(1)``
+``ragged_attention_dropout`` and    replicated only: each rank would draw the same
+its backward                        mask for its own heads (its generator, not
+                                    DTensor's), correlating heads across ranks
 ==================================  ==========================================
 
 The variant arguments follow the heads: ``sinks`` ``[Hq]`` is ``Shard(0)`` where the
@@ -98,6 +101,14 @@ def _reference_backward_rule(grad_out, q, k, v, cu_q, cu_k, causal, scale, windo
     return rules
 
 
+def _dropout_rule(q, k, v, cu_q, cu_k, causal, scale, dropout_p):
+    return [([_R, _R, _R, _R], [_R, _R, _R, _R, _R, None, None, None])]
+
+
+def _dropout_backward_rule(grad_out, q, k, v, out, lse, cu_q, cu_k, max_lens, rng_state, causal, scale, dropout_p):
+    return [([_R, _R, _R], [_R] * 10 + [None, None, None])]
+
+
 @functools.cache
 def register() -> None:
     """Register the rules with DTensor (idempotent; done on import)."""
@@ -106,6 +117,8 @@ def register() -> None:
     register_sharding(ns.ragged_attention_lse.default)(_attention_lse_rule)
     register_sharding(ns.ragged_attention_lse_backward.default)(_lse_backward_rule)
     register_sharding(ns.ragged_attention_backward.default)(_reference_backward_rule)
+    register_sharding(ns.ragged_attention_dropout.default)(_dropout_rule)
+    register_sharding(ns.ragged_attention_dropout_backward.default)(_dropout_backward_rule)
 
 
 register()

@@ -174,3 +174,29 @@ def test_two_gpu_training_matches_one_gpu(tmp_path, mode):
     got = _torchrun_example(tmp_path, f"--mode {mode} --steps 3")
     assert got["check"]["passed"], got["check"]
     assert got["graph_breaks"] == 0 and got["plans_per_forward"] == 1, got
+
+
+def test_dropout_op_runs_replicated_not_head_sharded(fake_mesh):
+    """The dropout pair is offered replicated only (each rank's generator would draw
+    the same mask for its own heads): head-sharded inputs are gathered, and the
+    replicated call equals the plain op under the same seed."""
+    import ragged_compile.distributed  # noqa: F401
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    q, k, v, cq, ck = _layout(4, 2)
+    r = [Replicate()]
+    dq_, dk_, dv_, cu_q, cu_k = (DTensor.from_local(t, fake_mesh, r, run_check=False) for t in (q, k, v, cq, ck))
+    torch.manual_seed(0)
+    want = torch.ops.ragged_compile.ragged_attention_dropout(q, k, v, cq, ck, False, 0.25, 0.3)[0]
+    torch.manual_seed(0)
+    with CommDebugMode() as comms:
+        out = torch.ops.ragged_compile.ragged_attention_dropout(dq_, dk_, dv_, cu_q, cu_k, False, 0.25, 0.3)[0]
+    assert comms.get_total_counts() == 0 and out.placements == (Replicate(),)
+    torch.testing.assert_close(out.to_local(), want)
+    from torch.distributed.tensor import Shard
+
+    sq, sk, sv = (DTensor.from_local(_local_heads(t), fake_mesh, [Shard(1)], run_check=False) for t in (q, k, v))
+    with CommDebugMode() as comms:
+        out = torch.ops.ragged_compile.ragged_attention_dropout(sq, sk, sv, cu_q, cu_k, False, 0.25, 0.3)[0]
+    assert comms.get_total_counts() > 0 and out.placements == (Replicate(),)  # gathered, not run shard-local

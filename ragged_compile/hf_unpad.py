@@ -132,17 +132,29 @@ _KNOWN_OFFSETS_DEVICES = ("cuda",)  # where the op plans from host offsets (runt
 _CTX = "_ragged_unpad"  # private kwarg our top-level wrapper hands the head's base-model call
 
 
+def _attention_dtype_and_head_dim(base, config, ref):
+    """The dtype the attention will compute in (autocast's where on) and the head dim."""
+    kind = ref.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else next(base.parameters()).dtype
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", None)
+    dim = getattr(config, "hidden_size", None) or getattr(config, "dim", None)
+    return dtype, getattr(config, "head_dim", None) or (dim // heads if dim and heads else None)
+
+
 def _dropout_runs_on_op(base, config, ref) -> bool:
     """Whether the op takes this model's attention dropout (FlashAttention-2 on CUDA,
     in the dtype the attention will compute in)."""
     if not isinstance(ref, torch.Tensor) or ref.device.type != "cuda":
         return False
-    dtype = (torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda")
-             else next(base.parameters()).dtype)
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", None)
-    dim = getattr(config, "hidden_size", None) or getattr(config, "dim", None)
-    head_dim = getattr(config, "head_dim", None) or (dim // heads if dim and heads else None)
+    dtype, head_dim = _attention_dtype_and_head_dim(base, config, ref)
     return head_dim is not None and select.dropout_kernel(ref.device, dtype, head_dim) == "fa2"
+
+
+def _window_runs_on_op(base, config, ref) -> bool:
+    """Whether the op's kernels take a sliding window here (the fused CPU kernel;
+    FlashAttention-2 on CUDA), so packed windowed layers stay fast."""
+    dtype, head_dim = _attention_dtype_and_head_dim(base, config, ref)
+    return head_dim is not None and select.unsupported_reason(ref.device, dtype, head_dim, variant=(select.WINDOW,)) is None
 
 
 # -- public API -----------------------------------------------------------------
@@ -460,7 +472,7 @@ def _plan(state, call, ctx):
             reason = "labels at padded positions"
         else:
             w = _window(state.base.config)
-            if w is not None and longest > w:
+            if w is not None and longest > w and not _window_runs_on_op(state.base, state.base.config, mask):
                 reason = "sliding window shorter than a sequence"
     if reason is not None:
         _warn(reason, state.top, detail)

@@ -369,7 +369,26 @@ def test_fallback_labels_at_padded_positions(family, suffix, caplog):
     fallback(model, lambda m: m(**kw), "labels at padded positions", caplog)
 
 
-def test_fallback_sliding_window_mistral(caplog):
+def test_mistral_window_shorter_than_a_sequence_packs():
+    """Windows run on the op's kernels (the fused CPU kernel; FlashAttention-2 on
+    CUDA), so a window shorter than a sequence packs too, each document windowed."""
+    model = build("mistral", "ForCausalLM")  # window 6
+    kw = inputs("mistral", [8, 3, 7], 8)
+    ref, out, rows = run_both(model, lambda m: m(**kw, use_cache=False))
+    valid = kw["attention_mask"].bool()
+    assert packed(rows, valid)
+    compare(ref, out, valid, ("mistral", "ForCausalLM", "short window"))
+
+
+def test_fallback_sliding_window_where_no_kernel_takes_it(caplog, monkeypatch):
+    from ragged_compile.backends import select
+
+    real = select.unsupported_reason
+
+    def no_window(device, dtype, head_dim, **kw):
+        return "no window kernel" if select.WINDOW in kw.get("variant", ()) else real(device, dtype, head_dim, **kw)
+
+    monkeypatch.setattr(select, "unsupported_reason", no_window)
     model = build("mistral", "ForCausalLM")  # window 6
     kw = inputs("mistral", [8, 3], 8)
     fallback(model, lambda m: m(**kw, use_cache=False), "sliding window shorter than a sequence", caplog)
@@ -573,7 +592,7 @@ def test_compiled_across_layouts_and_a_fallback(family, suffix, compiler, caplog
         assert graphs.count(2) == 3  # the padded graph, on our op too
 
 
-# -- ModernBERT: local layers are sliding-window attention, which our op does not take ----------
+# -- ModernBERT: local layers are sliding-window attention -------------------------------------
 
 
 @pytest.mark.parametrize("suffix", ["Model", "ForMaskedLM", "ForSequenceClassification"])
@@ -586,11 +605,16 @@ def test_modernbert_packs_where_the_window_spans_every_sequence(suffix):
     compare(ref, out, valid, ("modernbert", suffix, "right"))
 
 
-def test_modernbert_falls_back_where_the_window_is_shorter(caplog):
-    model = build("modernbert", "Model")
+@pytest.mark.parametrize("suffix", ["Model", "ForMaskedLM"])
+def test_modernbert_packs_where_the_window_is_shorter(suffix):
+    """Local layers' windows (8 each side) shorter than a sequence: packed, the
+    window applied within each document, as on the padded call."""
+    model = build("modernbert", suffix)
     kw = inputs("modernbert", [12, 3, 5], 12)
-    rows = fallback(model, lambda m: m(**kw), "sliding window shorter than a sequence", caplog)
-    assert rows == [36, 36]  # the padded call: both layers on our op (the local one with its window, hf.py)
+    ref, out, rows = run_both(model, lambda m: m(**kw, output_hidden_states=True))
+    valid = kw["attention_mask"].bool()
+    assert packed(rows, valid)
+    compare(ref, out, valid, ("modernbert", suffix, "short window"))
 
 
 def test_modernbert_mean_pooling_classifier_reads_the_mask():

@@ -54,6 +54,7 @@ bench() {
   step bench-hf python3 bench/bench_hf.py --out "$OUT/hf.json"
   step bench-host python3 bench/bench_host.py --out "$OUT"
   step bench-host-graphs python3 bench/bench_host.py --only graphs --out "$OUT/graphs"  # host.{json,md} of its own
+  step bench-variants python3 bench/bench_variants.py --out "$OUT"
   step bench-eager-reuse python3 bench/bench_eager_reuse.py --out "$OUT/eager_reuse.json"
   step bench-cudagraph python3 bench/bench_cudagraph.py --steps 100 --out "$OUT"
   step sweep-backends python3 bench/sweep_backends.py --out "$OUT"

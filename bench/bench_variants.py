@@ -28,6 +28,7 @@ import json
 import os
 import pathlib
 import sys
+import traceback
 
 import torch
 
@@ -106,6 +107,16 @@ def forward_row(kind, stock, smoke, dev, dtype, target_s, unpad=False):
             fn = lambda m=m: _out(m(**kw))  # noqa: E731
             outs[impl] = fn().float()
             row[f"{impl}_ms"] = time_fn(fn, dev, warmup=2, min_reps=3, target_s=target_s)["wall_ms"]
+    if dtype != torch.float32:
+        # how far each bf16 run is from the stock model in float32: a mixture of experts
+        # routes by top-k, so rounding alone can send a token to other experts
+        ref = _model(kind, smoke, stock, dev, torch.float32)
+        ref.load_state_dict(models["stock"].state_dict())
+        with torch.no_grad():
+            want = _out(ref.eval()(**kw)).float()
+        del ref
+        for impl in models:
+            row[f"{impl}_max_diff_fp32"] = (outs[impl] - want)[valid].abs().max().item()
     for impl in models:
         if impl != "stock":
             row[f"{impl}_over_stock_speed"] = row["stock_ms"] / row[f"{impl}_ms"]
@@ -183,7 +194,9 @@ def main() -> None:
             elif kind == "bert_dropout":
                 rows.append(train_row(kind, "sdpa", a.smoke, dev, dtype, target))
         except Exception as e:  # noqa: BLE001 - a row that fails is recorded, the others run
-            rows.append({"model": kind, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+            # the innermost frames say which model (stock or ours) and which kernel
+            rows.append({"model": kind, "error": f"{type(e).__name__}: {str(e)[:500]}",
+                         "traceback": traceback.format_exc().splitlines()[-16:]})
         print(json.dumps(rows[-1]), flush=True)
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -195,7 +208,7 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | error: {r['error'][:120]} | | | | | | |")
+            lines.append(f"| {r['model']} | error: {' '.join(r['error'].split())[:120]} | | | | | | |")
             continue
         unp, fmt = r.get("unpad_ms"), lambda x, f: "" if x is None else f % x  # noqa: E731
         lines.append(

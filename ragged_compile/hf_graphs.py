@@ -540,7 +540,15 @@ class GraphedHFModel(GraphOwner):
                 made.append(_MaskLayouts(e.host, check=True))  # checked in the warm-ups
                 return self._run(e, made[-1])
 
-            e.graph, e.out = self.capture(forward)
+            try:
+                e.graph, e.out = self.capture(forward)
+            except RuntimeError as err:
+                raise RuntimeError(
+                    f"hf.graphed: {type(self.model).__name__} could not be captured into a CUDA graph ({err}). "
+                    "A layer that copies between host and device or reads device values (nonzero, .item(), "
+                    "grouped matmuls with host offsets: for MoE models try model.set_experts_implementation("
+                    "'batched_mm')) cannot be captured; call the model without hf.graphed instead"
+                ) from err
             e.captured = made[-1]
         self.entries[key] = e  # only once captured: a failed capture leaves no half-built entry
         return e

@@ -102,7 +102,27 @@ def _check_fa2_inputs(q, cu_q, cu_k, max_q, max_k, dropout_p):
     assert cu_q.numel() > 1 and max_q > 0 and max_k > 0, "the kernel rejects n == 0 and fails on max_k == 0"
     assert dropout_p == 0.0
     cq, ck = cu_q.tolist(), cu_k.tolist()
-    assert max_q == max(b - a for a, b in zip(cq, cq[1:])) and max_k == max(b - a for a, b in zip(ck, ck[1:]))
+    # max_k may exceed the longest k segment: windowed calls widen the kernel's
+    # stand-in for an unbounded side with it (_fa2_window)
+    assert max_q == max(b - a for a, b in zip(cq, cq[1:])) and max_k >= max(b - a for a, b in zip(ck, ck[1:]))
+
+
+def _fa2_window(left, right, is_causal, max_k):
+    """The window flash-attn's varlen kernels apply (flash_api.cpp: ``mha_varlen_fwd``
+    / ``mha_varlen_bwd`` and ``set_params_fprop``): causal caps the right at 0,
+    a bound ``>= max_seqlen_k`` is unbounded, and an unbounded side next to a
+    bounded one becomes ``max_seqlen_k``."""
+    left, right = (-1 if left is None else left), (-1 if right is None else right)
+    if is_causal:
+        right = 0
+    left, right = (-1 if left >= max_k else left), (-1 if right >= max_k else right)
+    if is_causal and left < 0:
+        return (-1, -1)  # plain causal: the caller's causal flag says it
+    if left < 0 and right >= 0:
+        left = max_k
+    if left >= 0 and right < 0:
+        right = max_k
+    return left, right
 
 
 def _fa2_contract(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal,
@@ -112,7 +132,7 @@ def _fa2_contract(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout
     _check_fa2_inputs(q, cu_q, cu_k, max_q, max_k, dropout_p)
     assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
     assert rng_state.dtype == torch.uint64
-    window = (-1 if window_size_left is None else window_size_left, -1 if window_size_right is None else window_size_right)
+    window = _fa2_window(window_size_left, window_size_right, is_causal, max_k)
     _, dq, dk, dv = dense_gradients(grad_out, q, k, v, cu_q, cu_k, is_causal, scale, out=out, lse=lse,
                                     window_size=window)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -124,7 +144,7 @@ def _fa2_forward_contract(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causa
     log with ``+inf`` for rows that see no key (flash-attn's normaliser)."""
     _check_fa2_inputs(q, cu_q, cu_k, max_q, max_k, dropout_p)
     assert not return_debug_mask
-    window = (-1 if window_size_left is None else window_size_left, -1 if window_size_right is None else window_size_right)
+    window = _fa2_window(window_size_left, window_size_right, is_causal, max_k)
     out = dense_attention(q, k, v, cu_q, cu_k, is_causal, scale, window_size=window).to(q.dtype)
     lse = dense_lse(q, k, cu_q, cu_k, is_causal, scale, torch.float32, window_size=window)
     unused = torch.empty(0)

@@ -24,6 +24,12 @@ and probed on the H200):
   ``[i' - left, i' + right]`` with ``i' = i + Lk - Lq``, ours exactly; ``is_causal``
   caps ``right`` at 0. A row that sees no key gets output 0 and LSE ``+inf``
   from the forward, which is what the backward takes.
+* But a side left unbounded while the other is bounded becomes ``max_seqlen_k``
+  (flash-attn's ``set_params_fprop``; a bound ``>= max_seqlen_k`` first becomes
+  -1): too short for rows with ``i' < 0`` when ``Lq > max_k`` (cross-attention
+  with a left window: the first rows saw no key on the H200). Windowed calls pass
+  ``max(max_q, max_k)`` as ``max_seqlen_k``, which the kernels use for that
+  bound only (their loops run to each segment's own length).
 """
 
 from __future__ import annotations
@@ -134,7 +140,7 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, dropout_p
         cu_q.to(torch.int32).contiguous(),
         cu_k.to(torch.int32).contiguous(),
         max_q,
-        max_k,
+        _max_k_arg(max_q, max_k, window),
         dropout_p,
         causal,
         False,
@@ -207,7 +213,7 @@ def backward(
         cu_q.to(torch.int32).contiguous(),
         cu_k.to(torch.int32).contiguous(),
         max_q,
-        max_k,
+        _max_k_arg(max_q, max_k, window),
         dropout_p,
         causal,
         *(_unused_state(q.device) if rng_state is None else (rng_state, _unused_state(q.device)[1])),
@@ -218,6 +224,11 @@ def backward(
     if dp != d:
         dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., :d]
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+def _max_k_arg(max_q: int, max_k: int, window: tuple[int, int]) -> int:
+    # an unbounded side of a window must reach every key of every row (module docstring)
+    return max(max_q, max_k) if window != (-1, -1) else max_k
 
 
 @functools.cache

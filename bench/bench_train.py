@@ -52,7 +52,12 @@ from timing import sync, time_fn
 from variants import varlen_kwargs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ATTN_LAYOUTS = ("mixed16", "mixed16_causal", "long4x8192", "gqa32_8")
+ATTN_LAYOUTS = ("mixed16", "mixed16_causal", "long4x8192", "gqa32_8", "short250", "short250_causal", "vit42",
+                "vit42_causal")
+# the backward sweep: each layout class, causal and not, over head shapes; FA2's and
+# FA4's backward timed on the same forward (the rule in backends/select.py is fitted on it)
+SWEEP_KINDS = ("short", "vit", "mid", "mixed", "long")
+SWEEP_HEADS = ((16, 16, 128), (32, 8, 128), (16, 16, 64), (16, 16, 80), (8, 8, 256))
 
 
 @contextlib.contextmanager
@@ -116,9 +121,10 @@ def bench_attention(args, dev) -> dict:
             row["ours_grad_max_abs_diff_vs_float64"] = max(
                 float((a.double().cpu() - b).abs().max()) for a, b in zip(ref, want)
             )
-        with rt.step(), backward("fa2"):
-            ours()
-            run("ours_fa2", ours)
+        for kernel in ("fa2", "fa4"):
+            with rt.step(), backward(kernel):
+                ours()
+                run(f"ours_{kernel}", ours)
         run("ours_plan", fresh_step)
         run("ours_fwd", forward_only)
 
@@ -150,7 +156,7 @@ def bench_attention(args, dev) -> dict:
                 return torch.autograd.grad(out.transpose(1, 2).values(), (q, k, v), go)
 
             run("njt_sdpa", njt)
-        for label in ("ours", "ours_fa2", "ours_plan"):
+        for label in ("ours", "ours_fa2", "ours_fa4", "ours_plan"):
             if "ms" in row.get(label, {}) and "ms" in row.get("varlen_attn", {}):
                 row[f"speedup_{label}_vs_varlen"] = row["varlen_attn"]["ms"] / row[label]["ms"]
         res[name] = row
@@ -159,6 +165,40 @@ def bench_attention(args, dev) -> dict:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return res
+
+
+# -------------------------------------------------------------------------- backward sweep
+def bench_backward_sweep(args, dev) -> list[dict]:
+    """Forward+backward through the op with its backward forced to FA2 and to FA4, on
+    one runtime step per row (so both share the planned forward), interleaved."""
+    rows = []
+    for kind in SWEEP_KINDS:
+        for hq, hkv, d in SWEEP_HEADS:
+            for causal in (False, True):
+                c = Case(f"{kind}_{hq}_{hkv}_{d}", kind, hq, hkv, d, causal, dev=dev, smoke=args.smoke, seed=7)
+                q, k, v = (t.requires_grad_() for t in (c.q, c.k, c.v))
+                go = torch.randn_like(c.q)
+                row = {"kind": kind, "hq": c.hq, "hkv": c.hkv, "d": d, "causal": causal, "segments": c.n,
+                       "tokens": c.total, "max_len": c.max_len}
+                for kernel in ("fa2", "fa4"):
+                    rt = Runtime(dev)
+                    try:
+                        with rt.step(), backward(kernel):
+                            def step():
+                                out = rc.ragged_attention(q, k, v, c.cu, causal=causal)
+                                return torch.autograd.grad(out, (q, k, v), go)
+                            step()
+                            row[f"{kernel}_ms"] = timed(step, dev, args.reps, warmup=2)["ms"]
+                    except Exception as e:  # noqa: BLE001 - record, keep going
+                        row[f"{kernel}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                if "fa2_ms" in row and "fa4_ms" in row:
+                    row["fa4_over_fa2"] = row["fa4_ms"] / row["fa2_ms"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                del c, q, k, v, go
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
 
 
 # -------------------------------------------------------------------------- end to end
@@ -264,16 +304,26 @@ def render(results: dict) -> str:
              f"flashinfer {env.get('flashinfer')}, bf16)", ""]
     if "attn" in results:
         lines += ["## Attention forward+backward (ms, median)", "",
-                  "| layout | ours | ours, FA2 backward | ours (plan per call) | ours fwd only | varlen_attn | NJT SDPA | ours vs varlen |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| layout | ours | ours, FA2 backward | ours, FA4 backward | ours (plan per call) | ours fwd only | varlen_attn | NJT SDPA | ours vs varlen |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for name, row in results["attn"].items():
             def c(key):
                 r = row.get(key)
                 return "-" if r is None else f"{r['ms']:.2f}" if "ms" in r else "error"
 
             sp = row.get("speedup_ours_vs_varlen")
-            lines.append(f"| {name} ({row['tokens']} tok, {row['hq']}/{row['hkv']} heads) | {c('ours')} | {c('ours_fa2')} | {c('ours_plan')} | "
+            lines.append(f"| {name} ({row['tokens']} tok, {row['hq']}/{row['hkv']} heads) | {c('ours')} | {c('ours_fa2')} | {c('ours_fa4')} | {c('ours_plan')} | "
                          f"{c('ours_fwd')} | {c('varlen_attn')} | {c('njt_sdpa')} | {f'{sp:.2f}x' if sp else '-'} |")
+        lines.append("")
+    if "bwd_sweep" in results:
+        lines += ["## Backward sweep: forward+backward ms with FA2's and FA4's backward", "",
+                  "| layout | heads q/kv x d | causal | FA2 | FA4 | FA4 / FA2 |", "|---|---|---|---|---|---|"]
+        for r in results["bwd_sweep"]:
+            f2, f4 = r.get("fa2_ms"), r.get("fa4_ms")
+            ratio = r.get("fa4_over_fa2")
+            lines.append(f"| {r['kind']} ({r['segments']} x <= {r['max_len']}) | {r['hq']}/{r['hkv']} x {r['d']} | {r['causal']} | "
+                         f"{'-' if f2 is None else f'{f2:.2f}'} | {'-' if f4 is None else f'{f4:.2f}'} | "
+                         f"{'-' if ratio is None else f'{ratio:.2f}'} |")
         lines.append("")
     if "e2e" in results:
         e = results["e2e"]
@@ -295,7 +345,7 @@ def render(results: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.path.join(HERE, "results"))
-    p.add_argument("--only", choices=["attn", "e2e"], default=None)
+    p.add_argument("--only", choices=["attn", "e2e", "bwd-sweep"], default=None)
     p.add_argument("--only-impl", nargs="*", default=None)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--reps", type=int, default=30)
@@ -310,6 +360,8 @@ def main() -> None:
         results["attn"] = bench_attention(args, dev)
     if args.only in (None, "e2e"):
         results["e2e"] = bench_e2e(args, dev)
+    if args.only == "bwd-sweep":  # not in the default run: ~100 rows
+        results["bwd_sweep"] = bench_backward_sweep(args, dev)
     os.makedirs(args.out, exist_ok=True)
     suffix = "" if args.only is None else f"-{args.only}"
     with open(os.path.join(args.out, f"train{suffix}.json"), "w") as f:

@@ -28,6 +28,8 @@ LAYOUT_SPECS = [
     ("short250_gqa32_8_causal", "short", 32, 8, 128, True),
     ("mixed16_d64", "mixed", 16, 16, 64, False),
     ("mixed16_d72", "mixed", 16, 16, 72, False),
+    ("vit42", "vit", 16, 16, 128, False),
+    ("vit42_causal", "vit", 16, 16, 128, True),
 ]
 
 
@@ -67,6 +69,10 @@ def lengths_for(kind: str, smoke: bool) -> tuple[int, ...]:
         return tuple(random_lengths(*((4, 16, 48) if smoke else (50, 256, 1024)), gen=3))
     if kind == "long":
         return (96, 96) if smoke else (8192,) * 4
+    if kind == "vit":
+        # native-resolution images: square patch grids of 14..37 patches a side (196..1369)
+        sides = random_lengths(*((4, 2, 6) if smoke else (42, 14, 37)), gen=4)
+        return tuple(side * side for side in sides)
     raise ValueError(kind)
 
 

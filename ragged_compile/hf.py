@@ -41,6 +41,8 @@ once at WARNING naming the class.
 
 from __future__ import annotations
 
+import functools
+
 import sys
 import threading
 import weakref
@@ -121,14 +123,40 @@ def register(name: str = "ragged") -> str:
 # -- classes off the attention interface ---------------------------------------------
 
 
-def _on_interface(cls) -> bool:
-    """Whether a model class calls transformers' attention interface (transformers'
-    own test, which set_attn_implementation uses: its attention modules call
-    ``ALL_ATTENTION_FUNCTIONS.get_interface``)."""
+def _class_reason(cls) -> str | None:
+    """Why a model class keeps its own attention under our name, or None: its
+    attention must call the attention interface (transformers' own test, which
+    set_attn_implementation uses)."""
     try:
-        return bool(cls._can_set_attn_implementation())
+        on_interface = bool(cls._can_set_attn_implementation())
     except Exception:  # noqa: BLE001 - a class transformers cannot read: say so
-        return False
+        on_interface = False
+    return None if on_interface else f"{OFF_INTERFACE} (its attention does not call ALL_ATTENTION_FUNCTIONS)"
+
+
+# Configs of models that do not declare FlashAttention support -> (the config, the
+# implementation whose mask they get).
+_kept_masks: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def _note_mask_contract(model) -> None:
+    """Our mask function hands FlashAttention's 2-D padding mask only to models that
+    declare FlashAttention support. The others get the mask of the implementation
+    transformers would give them (SDPA's, else eager's), which our attention function
+    checks before running it on our op: their own layers may read the mask (Doge,
+    BigBird-Pegasus' encoder) or their attention may lack ``is_causal`` (Splinter)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    if getattr(type(model), "_supports_flash_attn", False):
+        _kept_masks.pop(id(config), None)
+    else:
+        _kept_masks[id(config)] = (weakref.ref(config), "sdpa" if getattr(type(model), "_supports_sdpa", False) else "eager")
+
+
+def _kept_mask(config) -> str | None:
+    entry = _kept_masks.get(id(config)) if config is not None else None
+    return entry[1] if entry is not None and entry[0]() is config else None
 
 
 def _ours_requested(implementation) -> bool:
@@ -137,10 +165,10 @@ def _ours_requested(implementation) -> bool:
     return implementation in _registered
 
 
-def _warn_off_interface(cls, kept) -> None:
+def _warn_kept(cls, reason, kept) -> None:
     warn_once(
-        f"hf: {cls.__name__} is a {OFF_INTERFACE} (its attention does not call ALL_ATTENTION_FUNCTIONS): "
-        f"it keeps its own attention implementation ({kept!r}), and ragged_compile's op does not run in it"
+        f"hf: {cls.__name__} is a {reason}: it keeps its own attention implementation ({kept!r}), "
+        "and ragged_compile's op does not run in it"
     )
 
 
@@ -157,10 +185,13 @@ def _install_interface_check() -> None:
         return
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
-        if _ours_requested(attn_implementation) and not _on_interface(type(self)):
+        reason = _class_reason(type(self)) if _ours_requested(attn_implementation) else None
+        if reason is not None:
             kept = check(self, None, *args, **kwargs)  # Falcon would fail to build, MPNet to run
-            _warn_off_interface(type(self), kept)
+            _warn_kept(type(self), reason, kept)
             return kept
+        if _ours_requested(attn_implementation):
+            _note_mask_contract(self)
         return check(self, attn_implementation, *args, **kwargs)
 
     set_impl = PreTrainedModel.set_attn_implementation
@@ -169,8 +200,13 @@ def _install_interface_check() -> None:
         result = set_impl(self, attn_implementation, *args, **kwargs)
         if _ours_requested(attn_implementation):
             for module in self.modules():
-                if isinstance(module, PreTrainedModel) and not _on_interface(type(module)):
-                    _warn_off_interface(type(module), module.config._attn_implementation)
+                if not isinstance(module, PreTrainedModel):
+                    continue
+                reason = _class_reason(type(module))
+                if reason is not None:
+                    _warn_kept(type(module), reason, module.config._attn_implementation)
+                else:
+                    _note_mask_contract(module)
         return result
 
     for new, old in ((_check_and_adjust_attn_implementation, check), (set_attn_implementation, set_impl)):
@@ -200,8 +236,14 @@ def mask_function(
     static cache makes the mask shorter than the keys, the full 4-D SDPA mask,
     which the attention function checks before running it on our op.
     """
-    from transformers.masking_utils import sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+    kept = _kept_mask(kwargs.get("config"))
+    if kept is not None:
+        return ALL_MASK_ATTENTION_FUNCTIONS[kept](
+            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+            mask_function=mask_function, attention_mask=attention_mask, **kwargs,
+        )
     if attention_mask is not None:
         attention_mask = attention_mask[:, -kv_length:]
     if torch.compiler.is_compiling():
@@ -215,6 +257,8 @@ def mask_function(
         kwargs.get("use_vmap", False)
         or not plain
         or (attention_mask is not None and attention_mask.shape[-1] != kv_length)
+        # a window our attention function would not hear of: the mask must carry it
+        or (kwargs.get("local_size") is not None and not _attention_passes_window(kwargs.get("config")))
     )
     if needs_4d:
         kwargs.pop("allow_is_causal_skip", None)
@@ -227,9 +271,47 @@ def mask_function(
             kv_offset=kv_offset, attention_mask=attention_mask, allow_is_causal_skip=False,
             use_vmap=True, **kw,
         )
+    if attention_mask is not None and not torch.compiler.is_compiling():
+        # The pattern, not the module, says whether the model's own attention is causal
+        # (PegasusX builds its decoder self-attention without is_causal and a causal
+        # mask): the attention function follows the mask, as eager attention does.
+        attention_mask.ragged_compile_causal = _causal_pattern(mask_function)
     # A mask without padding is an ordinary layout (empty padding segments): telling
     # it apart here would cost a device-to-host read per forward.
     return attention_mask
+
+
+def _causal_pattern(fn, depth: int = 0) -> bool:
+    """Whether a mask pattern transformers composed masks out future keys."""
+    if fn is None or depth > 8:
+        return False
+    if "causal" in getattr(fn, "__qualname__", "").split(".<locals>")[0]:
+        return True
+    return any(
+        callable(inner) and not isinstance(inner, (torch.Tensor, type)) and _causal_pattern(inner, depth + 1)
+        for cell in getattr(fn, "__closure__", None) or ()
+        for inner in (cell.cell_contents if isinstance(cell.cell_contents, (tuple, list)) else (cell.cell_contents,))
+    )
+
+
+def _attention_passes_window(config) -> bool:
+    """Whether the model's attention modules hand ``sliding_window`` to the attention
+    function. Some build sliding-window masks and pass no window (PhiMoE,
+    Qwen2-MoE with ``use_sliding_window``, Doge, PaliGemma): their eager attention
+    gets the window from the mask alone, so the 2-D padding mask would drop it."""
+    module = type(config).__module__.replace(".configuration_", ".modeling_") if config is not None else None
+    return module is not None and _module_passes_window(module)
+
+
+@functools.cache
+def _module_passes_window(name: str) -> bool:
+    import importlib
+    import inspect
+
+    try:
+        return "sliding_window=" in inspect.getsource(importlib.import_module(name))
+    except (ImportError, OSError, TypeError):  # no source to read: let the mask carry the window
+        return False
 
 
 # Mask patterns our layouts express (with the attention kwargs: sliding_window,
@@ -616,7 +698,8 @@ def attention_forward(
     """transformers attention function: q ``[B, Hq, Sq, D]``, k/v ``[B, Hkv, Sk, D]``
     (GQA not expanded) -> ``([B, Sq, Hq, D], None)``."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(causal)
+    # a mask our mask function made says what the model's eager attention would do
+    causal = bool(getattr(attention_mask, "ragged_compile_causal", causal))
     b, hq, sq, d = query.shape
     sk = key.shape[2]
     compiling = torch.compiler.is_compiling()

@@ -148,15 +148,39 @@ def _note_mask_contract(model) -> None:
     config = getattr(model, "config", None)
     if config is None:
         return
-    if getattr(type(model), "_supports_flash_attn", False):
-        _kept_masks.pop(id(config), None)
-    else:
-        _kept_masks[id(config)] = (weakref.ref(config), "sdpa" if getattr(type(model), "_supports_sdpa", False) else "eager")
+    for key in [k for k, (ref, _) in _kept_masks.items() if ref() is None]:
+        del _kept_masks[key]
+    _kept_masks[id(config)] = (weakref.ref(config), _mask_kind(type(model)))
+
+
+def _mask_kind(cls) -> str | None:
+    if getattr(cls, "_supports_flash_attn", False):
+        return None
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+@functools.cache
+def _base_class_mask_kind(config_cls) -> str | None:
+    # a config whose model was never seen setting our name (config._attn_implementation
+    # written directly): its base model class answers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    try:
+        return _mask_kind(MODEL_MAPPING[config_cls])
+    except Exception:  # noqa: BLE001 - not an auto class (remote code): its own attention's mask
+        return "sdpa"
 
 
 def _kept_mask(config) -> str | None:
-    entry = _kept_masks.get(id(config)) if config is not None else None
-    return entry[1] if entry is not None and entry[0]() is config else None
+    """The implementation whose mask a model of ``config`` gets from our mask function,
+    or None for FlashAttention's 2-D mask (only our eager name keeps them apart:
+    graph mode refuses such models)."""
+    if config is None or getattr(config, "_attn_implementation", None) not in _registered:
+        return None
+    entry = _kept_masks.get(id(config))
+    if entry is not None and entry[0]() is config:
+        return entry[1]
+    return _base_class_mask_kind(type(config))
 
 
 def _ours_requested(implementation) -> bool:
@@ -240,6 +264,9 @@ def mask_function(
 
     kept = _kept_mask(kwargs.get("config"))
     if kept is not None:
+        # never None (no padding): our attention then checks the pattern against the
+        # module, which may not say is_causal
+        kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
         return ALL_MASK_ATTENTION_FUNCTIONS[kept](
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
             mask_function=mask_function, attention_mask=attention_mask, **kwargs,
@@ -271,11 +298,17 @@ def mask_function(
             kv_offset=kv_offset, attention_mask=attention_mask, allow_is_causal_skip=False,
             use_vmap=True, **kw,
         )
-    if attention_mask is not None and not torch.compiler.is_compiling():
+    if attention_mask is not None:
         # The pattern, not the module, says whether the model's own attention is causal
         # (PegasusX builds its decoder self-attention without is_causal and a causal
         # mask): the attention function follows the mask, as eager attention does.
-        attention_mask.ragged_compile_causal = _causal_pattern(mask_function)
+        # (Dynamo traces the attribute; under compile only the plain patterns get here.)
+        if torch.compiler.is_compiling():
+            from transformers.masking_utils import causal_mask_function
+
+            attention_mask.ragged_compile_causal = mask_function is causal_mask_function
+        else:
+            attention_mask.ragged_compile_causal = _causal_pattern(mask_function)
     # A mask without padding is an ordinary layout (empty padding segments): telling
     # it apart here would cost a device-to-host read per forward.
     return attention_mask

@@ -359,6 +359,19 @@ class GraphedHFModel(GraphOwner):
             )
         if isinstance(model.__dict__.get("forward"), GraphedHFModel):
             raise ValueError("this model's forward is already a graphed model")
+        from transformers import PreTrainedModel
+
+        lacking = sorted({type(m).__name__ for m in model.modules()
+                          if isinstance(m, PreTrainedModel) and not getattr(type(m), "_supports_flash_attn", False)})
+        if lacking:
+            # graph mode hands attention FlashAttention's 2-D padding mask and takes
+            # causality from the modules: models that do not declare that contract may
+            # rework the mask or lack is_causal
+            raise ValueError(
+                f"hf.graphed runs models that declare FlashAttention support; {', '.join(lacking)} do(es) not "
+                "(_supports_flash_attn is false): call the model without hf.graphed (hf.register() still puts "
+                "its attention on our op where its mask allows)"
+            )
         device = model.device
         if runtime is None:
             runtime = get_runtime(device)

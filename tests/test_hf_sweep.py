@@ -1,6 +1,6 @@
 """Every transformers model type a new user could name, through our attention name:
-a tiny random model of each base model class with a text config, a right-padded
-batch, our name against the model's own eager attention at valid positions (fp32).
+a tiny random model of each base model class with a text config, a right-padded,
+left-padded or unpadded batch, our name against the model's own eager attention at valid positions (fp32).
 
 Where the model's eager forward itself fails on these inputs (vision, audio,
 composite configs) or a shrunk model is still large, the type is skipped. What
@@ -79,19 +79,24 @@ def _quiet():
     logging.getLogger("transformers").setLevel(level)
 
 
+@pytest.mark.parametrize("padding", ["right", "left", "none"])
 @pytest.mark.parametrize("model_type", sorted(MODEL_MAPPING_NAMES))
-def test_model_type_matches_its_eager_attention(model_type):
+def test_model_type_matches_its_eager_attention(model_type, padding):
     try:
         model, cfg = _build(model_type)
     except Exception as e:  # noqa: BLE001 - a type this generic recipe cannot build (skips pass through)
         pytest.skip(f"not built: {type(e).__name__}")
     g = torch.Generator().manual_seed(0)
-    mask = pad_mask([11, 6, 8], 11)
+    mask = pad_mask([11, 6, 8] if padding != "none" else [11] * 3, 11, padding == "left")
     kw = dict(input_ids=torch.randint(3, 90, (3, 11), generator=g) * mask, attention_mask=mask)
+    if padding == "none":
+        del kw["attention_mask"]  # the model makes its own (or none)
     valid = mask
     if getattr(cfg, "is_encoder_decoder", False):
         kw["decoder_input_ids"] = kw["input_ids"][:, :7]
-        kw["decoder_attention_mask"] = valid = mask[:, :7]
+        valid = mask[:, :7]
+        if padding != "none":
+            kw["decoder_attention_mask"] = valid
     try:
         model.set_attn_implementation("eager")
         with torch.no_grad():
@@ -111,3 +116,56 @@ def test_model_type_matches_its_eager_attention(model_type):
     rows = valid.bool() if got.shape[:2] == valid.shape else torch.ones(got.shape[:2], dtype=torch.bool)
     err = (got - want)[rows].abs().max().item()
     assert err <= TOL * max(1.0, want[rows].abs().max().item()), f"{model_type}: max |diff| {err:.3g} at valid positions"
+
+
+def _tiny(model_type, **extra):
+    model, cfg = _build(model_type)
+    for key, value in extra.items():
+        setattr(model.config, key, value)
+    return model
+
+
+def _padded_encoder_decoder():
+    g = torch.Generator().manual_seed(0)
+    mask = pad_mask([11, 6, 8], 11)
+    ids = torch.randint(3, 90, (3, 11), generator=g) * mask
+    return dict(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :7], decoder_attention_mask=mask[:, :7])
+
+
+def test_pegasus_x_decoder_is_causal_as_its_mask_under_compile():
+    """PegasusX's decoder self-attention says is_causal=False under a causal mask:
+    compiled, the mask our mask function built still carries its pattern."""
+    model = _tiny("pegasus_x")
+    kw = _padded_encoder_decoder()
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = model(**kw).last_hidden_state
+    model.set_attn_implementation(NAME)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model)(**kw).last_hidden_state
+    rows = kw["decoder_attention_mask"].bool()
+    torch.testing.assert_close(got[rows], want[rows], rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_without_flash_support_named_through_its_config():
+    """Our name written straight into the config (no set_attn_implementation): a model
+    that reworks its mask (BigBird-Pegasus' encoder) still gets its own mask kind."""
+    model = _tiny("bigbird_pegasus")
+    kw = _padded_encoder_decoder()
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = model(**kw).last_hidden_state
+    for m in model.modules():
+        if isinstance(m, transformers.PreTrainedModel):
+            m.config._attn_implementation = NAME
+    with torch.no_grad():
+        got = model(**kw).last_hidden_state
+    rows = kw["decoder_attention_mask"].bool()
+    torch.testing.assert_close(got[rows], want[rows], rtol=1e-4, atol=1e-4)
+
+
+def test_graph_mode_refuses_a_model_without_flash_support():
+    model = _tiny("splinter")
+    with pytest.raises(ValueError, match="declare FlashAttention support.*SplinterModel"):
+        hf.graphed(model, [(4, 16)])

@@ -136,7 +136,7 @@ def _class_reason(cls) -> str | None:
 
 # Configs of models that do not declare FlashAttention support -> (the config, the
 # implementation whose mask they get).
-_kept_masks: dict[int, tuple[weakref.ref, str]] = {}
+_kept_masks: dict[int, tuple[weakref.ref, str | None, bool]] = {}  # (config, kind, from a parent)
 
 
 def _note_mask_contract(model) -> None:
@@ -148,9 +148,24 @@ def _note_mask_contract(model) -> None:
     config = getattr(model, "config", None)
     if config is None:
         return
-    for key in [k for k, (ref, _) in _kept_masks.items() if ref() is None]:
+    for key in [k for k, (ref, *_) in _kept_masks.items() if ref() is None]:
         del _kept_masks[key]
-    _kept_masks[id(config)] = (weakref.ref(config), _mask_kind(type(model)))
+    kind = _mask_kind(type(model))
+    for c, inherited in ((config, False), *((sub, True) for sub in _sub_configs(config))):
+        entry = _kept_masks.get(id(c))
+        if kind is None and entry is not None and entry[0]() is c and entry[2]:
+            continue  # a composite model that declares no support refuses for its parts too (PaliGemma's text model)
+        if kind is not None or not inherited:
+            _kept_masks[id(c)] = (weakref.ref(c), kind, inherited)
+
+
+def _sub_configs(config, depth: int = 0):
+    from transformers import PretrainedConfig
+
+    for value in vars(config).values():
+        if isinstance(value, PretrainedConfig) and depth < 3:
+            yield value
+            yield from _sub_configs(value, depth + 1)
 
 
 def _mask_kind(cls) -> str | None:

@@ -11,7 +11,8 @@ Rows (``--only`` picks sections):
   torch has it, FlashInfer's ``wrapper.run`` alone.
 * ``njt``: NJT SDPA under ``rc.enable()`` against stock NJT SDPA, per call.
 * ``hf``: BERT-base (12 layers, 768 hidden, 12 heads) and BERT-large (24, 1024,
-  16) encoders, random weights, bf16, padded batches of random lengths L/2..L:
+  16) encoders, random weights, bf16, padded batches of random lengths L/2..L
+  (~75% real tokens) and, for unpadding, 1..L (~50%):
   ``"sdpa"`` against ``hf.register()`` and against ``hf.unpad`` (the whole model
   packed), forward ms and device-to-host syncs per forward.
 * ``train``: training steps (forward, backward, AdamW; attention dropout 0) of
@@ -231,15 +232,17 @@ def _bert(dev, dtype, layers, hidden, heads, attn):
     return model.eval()
 
 
-def _padded_batch(b, s, dev, seed=0):
+def _padded_batch(b, s, dev, seed=0, low=0.5):
+    """Right-padded ids and mask of ``b`` rows, lengths uniform in ``low * s .. s``
+    (``low=0.5``: ~75% real tokens; ``low=0``: ~50%)."""
     g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(max(1, s // 2), s + 1, (b,), generator=g)
+    lens = torch.randint(max(1, int(s * low)), s + 1, (b,), generator=g)
     ids = torch.randint(1000, 30000, (b, s), generator=g)
     mask = (torch.arange(s)[None, :] < lens[:, None]).long()
     return ids.to(dev), mask.to(dev), lens
 
 
-def hf_rows(dev, dtype, shapes, layers, hidden, heads, target_s, label="bert-base") -> list[dict]:
+def hf_rows(dev, dtype, shapes, layers, hidden, heads, target_s, label="bert-base", low=0.5) -> list[dict]:
     """Forward ms per padded batch: ``"sdpa"``, ours (``register()``) and ours with
     the whole model unpadded (``hf.unpad``), same weights."""
     from ragged_compile import hf
@@ -252,7 +255,7 @@ def hf_rows(dev, dtype, shapes, layers, hidden, heads, target_s, label="bert-bas
     models["unpad"] = hf.unpad(_bert(dev, dtype, layers, hidden, heads, name))
     models["unpad"].load_state_dict(models["sdpa"].state_dict())
     for b, s in shapes:
-        ids, mask, lens = _padded_batch(b, s, dev)
+        ids, mask, lens = _padded_batch(b, s, dev, low=low)
         row = {"model": label, "batch": b, "length": s, "real_tokens": int(lens.sum()), "padded_tokens": b * s}
         valid = mask.bool()
         outs = {}
@@ -281,7 +284,7 @@ def train_rows(dev, dtype, configs, target_s) -> list[dict]:
     rows = []
     for label, layers, hidden, heads, b, s in configs:
         row = {"model": label, "batch": b, "length": s}
-        ids, mask, lens = _padded_batch(b, s, dev, seed=1)
+        ids, mask, lens = _padded_batch(b, s, dev, seed=1, low=0.0)
         row["real_tokens"] = int(lens.sum())
         for key in ("sdpa", "ours", "unpad"):
             model = _bert(dev, dtype, layers, hidden, heads, "sdpa" if key == "sdpa" else name).train()
@@ -425,7 +428,7 @@ def _markdown(res: dict) -> str:
         lines += [f"| {k} | {v:.1f} |" for k, v in res["njt"].items()]
         lines.append("")
     if "hf" in res:
-        lines += ["## BERT-style encoder forward, padded batches (lengths L/2..L)", "",
+        lines += ["## BERT-style encoder forward, padded batches (lengths L/2..L, or 1..L where real tokens are ~50%)", "",
                   "| model | batch x L | real tokens | sdpa ms | ours ms | ours unpadded ms | ours / sdpa | unpadded / sdpa | syncs / forward (sdpa, ours, unpadded) | max diff |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["hf"]:
@@ -492,6 +495,9 @@ def main() -> None:
         else:
             res["hf"] = hf_rows(dev, dtype, [(64, 48), (64, 128), (16, 512), (256, 128), (64, 512)], 12, 768, 12, a.target_s)
             res["hf"] += hf_rows(dev, dtype, [(64, 512), (128, 256)], 24, 1024, 16, a.target_s, label="bert-large")
+            # unpadding's rows: ~50% padding (lengths 1..L)
+            res["hf"] += hf_rows(dev, dtype, [(64, 512)], 12, 768, 12, a.target_s, low=0.0)
+            res["hf"] += hf_rows(dev, dtype, [(64, 512), (128, 256)], 24, 1024, 16, a.target_s, label="bert-large", low=0.0)
     if "graphs" in only:
         if a.smoke:
             res["graphs"] = {"forward": graphs_rows(dev, dtype, [(4, 16)], 2, 64, 2, 0.05),

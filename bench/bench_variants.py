@@ -141,10 +141,18 @@ def packed_row(smoke, dev, dtype, target_s):
     padded["attention_mask"] = (torch.arange(max(lens))[None] < torch.tensor(lens)[:, None]).long().to(dev)
     padded["use_cache"] = False
     row = {"model": "mistral_packed", "stock_impl": "sdpa (padded)", "documents": lens, "tokens": sum(lens)}
-    with torch.no_grad():
-        row["stock_ms"] = time_fn(lambda: stock(**padded), dev, warmup=1, min_reps=3, target_s=target_s)["wall_ms"]
-        row["ours_ms"] = time_fn(lambda: ours(**packed), dev, warmup=1, min_reps=3, target_s=target_s)["wall_ms"]
-    row["ours_over_stock_speed"] = row["stock_ms"] / row["ours_ms"]
+    # each side on its own: a failure of one (its traceback kept) still times the other
+    for impl, fn in (("ours", lambda: ours(**packed)), ("stock", lambda: stock(**padded))):
+        try:
+            with torch.no_grad():
+                row[f"{impl}_ms"] = time_fn(fn, dev, warmup=1, min_reps=3, target_s=target_s)["wall_ms"]
+        except Exception as e:  # noqa: BLE001
+            row[f"{impl}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            row[f"{impl}_traceback"] = traceback.format_exc().splitlines()[-16:]
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+    if "stock_ms" in row and "ours_ms" in row:
+        row["ours_over_stock_speed"] = row["stock_ms"] / row["ours_ms"]
     return row
 
 
@@ -182,22 +190,23 @@ def main() -> None:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     target = 0.05 if a.smoke else a.target_s
     rows = []
+    jobs = {
+        "mistral": [lambda: packed_row(a.smoke, dev, dtype, target),
+                    lambda: forward_row("mistral", "sdpa", a.smoke, dev, dtype, target)],
+        "gemma2": [lambda: forward_row("gemma2", "eager", a.smoke, dev, dtype, target)],
+        "gpt_oss": [lambda: forward_row("gpt_oss", "eager", a.smoke, dev, dtype, target)],
+        "modernbert": [lambda: forward_row("modernbert", "sdpa", a.smoke, dev, dtype, target, unpad=True)],
+        "bert_dropout": [lambda: train_row("bert_dropout", "sdpa", a.smoke, dev, dtype, target)],
+    }
     for kind in a.only.split(","):
-        try:
-            if kind == "mistral":
-                rows.append(packed_row(a.smoke, dev, dtype, target))
-                rows.append(forward_row("mistral", "sdpa", a.smoke, dev, dtype, target))
-            elif kind in ("gemma2", "gpt_oss"):
-                rows.append(forward_row(kind, "eager", a.smoke, dev, dtype, target))
-            elif kind == "modernbert":
-                rows.append(forward_row(kind, "sdpa", a.smoke, dev, dtype, target, unpad=True))
-            elif kind == "bert_dropout":
-                rows.append(train_row(kind, "sdpa", a.smoke, dev, dtype, target))
-        except Exception as e:  # noqa: BLE001 - a row that fails is recorded, the others run
-            # the innermost frames say which model (stock or ours) and which kernel
-            rows.append({"model": kind, "error": f"{type(e).__name__}: {str(e)[:500]}",
-                         "traceback": traceback.format_exc().splitlines()[-16:]})
-        print(json.dumps(rows[-1]), flush=True)
+        for job in jobs[kind]:
+            try:
+                rows.append(job())
+            except Exception as e:  # noqa: BLE001 - a row that fails is recorded, the others run
+                # the innermost frames say which model (stock or ours) and which kernel
+                rows.append({"model": kind, "error": f"{type(e).__name__}: {str(e)[:500]}",
+                             "traceback": traceback.format_exc().splitlines()[-16:]})
+            print(json.dumps(rows[-1]), flush=True)
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"environment": environment(), "device": str(dev), "dtype": str(dtype), "smoke": a.smoke, "rows": rows}
@@ -207,8 +216,11 @@ def main() -> None:
              "| model | stock | stock ms | ours ms | ours / stock | unpadded ms | unpadded / stock | max diff |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['model']} | error: {' '.join(r['error'].split())[:120]} | | | | | | |")
+        err = r.get("error") or r.get("stock_error") or r.get("ours_error")
+        if err or "ours_over_stock_speed" not in r:
+            fmt = lambda k: "%.2f" % r[k] if k in r else ""  # noqa: E731
+            lines.append(f"| {r['model']} | error: {' '.join(str(err).split())[:120]} | {fmt('stock_ms')} | "
+                         f"{fmt('ours_ms')} | | | | |")
             continue
         unp, fmt = r.get("unpad_ms"), lambda x, f: "" if x is None else f % x  # noqa: E731
         lines.append(

@@ -100,6 +100,36 @@ def test_flashinfer_writes_zero_for_rows_that_see_no_key(backend, graph, split_k
     _check(out, q, k, v, cu_q, cu_k, causal)
 
 
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lse", [False, True])
+def test_replayed_runs_equal_flashinfers_run_bit_for_bit(backend, graph, causal, lse):
+    """fi.run / fi.run_with_lse replay the kernel call of the plan's first run: every
+    later call of that plan, on other tensors, equals wrapper.run exactly, and a new
+    plan is recorded anew."""
+    if backend == "fa3" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("fa3 needs SM90")
+    heads, d, dtype = (8, 2), 128, torch.bfloat16
+    layouts = [([5, 7, 300, 1, 40], [12, 7, 200, 3000, 0]), ([64, 64], [64, 64])]
+    bufs = {}
+    if graph:
+        bufs = dict(qo_indptr_buf=torch.zeros(11, dtype=torch.int32, device="cuda"),
+                    kv_indptr_buf=torch.zeros(11, dtype=torch.int32, device="cuda"))
+    w = fi.make_wrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), backend, **bufs)
+    for lq, lk in layouts:
+        fi.plan(w, _cu(lq, "cpu"), _cu(lk, "cpu"), *heads, d, dtype, causal, d**-0.5, causal_split=graph or None)
+        for seed in range(3):
+            q, k, v, cu_q, cu_k = _case(lq, lk, *heads, d, dtype, seed=seed)
+            got = fi.run_with_lse(w, q, k, v) if lse else (fi.run(w, q, k, v),)
+            want = w.run(q, k, v, return_lse=True) if lse else (w.run(q, k, v),)
+            for g_, w_ in zip(got, want):
+                torch.testing.assert_close(g_, w_, rtol=0, atol=0)
+            if seed == 0:
+                _check(got[0], q, k, v, cu_q, cu_k, causal)
+        assert getattr(w, fi._REPLAY) is not None, "the call was not recorded for replay"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_public_function_on_cuda(dtype):
     q, k, v, cu_q, cu_k = _case([3, 0, 50, 1], [9, 4, 0, 1], 8, 4, 64, dtype)

@@ -111,11 +111,12 @@ def test_replayed_runs_equal_flashinfers_run_bit_for_bit(backend, graph, causal,
     if backend == "fa3" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("fa3 needs SM90")
     heads, d, dtype = (8, 2), 128, torch.bfloat16
-    layouts = [([5, 7, 300, 1, 40], [12, 7, 200, 3000, 0]), ([64, 64], [64, 64])]
+    layouts = [([5, 7, 300, 1, 40], [12, 7, 200, 3000, 0]), ([64, 64, 3, 9, 100], [64, 64, 3, 0, 100])]
     bufs = {}
-    if graph:
-        bufs = dict(qo_indptr_buf=torch.zeros(11, dtype=torch.int32, device="cuda"),
-                    kv_indptr_buf=torch.zeros(11, dtype=torch.int32, device="cuda"))
+    if graph:  # a graph-mode wrapper has a fixed number of segments
+        entries = 11 if causal else 6
+        bufs = dict(qo_indptr_buf=torch.zeros(entries, dtype=torch.int32, device="cuda"),
+                    kv_indptr_buf=torch.zeros(entries, dtype=torch.int32, device="cuda"))
     w = fi.make_wrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), backend, **bufs)
     for lq, lk in layouts:
         fi.plan(w, _cu(lq, "cpu"), _cu(lk, "cpu"), *heads, d, dtype, causal, d**-0.5, causal_split=graph or None)

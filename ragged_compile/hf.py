@@ -492,11 +492,26 @@ def _assert_padded(valid_k: torch.Tensor, sq: int, causal: bool) -> None:
     )
 
 
-def _position_layout(position_ids: torch.Tensor, b: int, s: int) -> _Segments:
+def _position_layout(position_ids: torch.Tensor, b: int, s: int, compiling: bool = True) -> _Segments:
     """Packed sequences start where positions do not continue (as transformers'
-    find_packed_sequence_indices). Static shape: one segment slot per token,
-    unused slots empty, so new layouts never change shapes."""
+    find_packed_sequence_indices).
+
+    Compiled: a static shape, one segment slot per token, unused slots empty, so
+    new layouts never change shapes. Eager: the positions are read to the host
+    (the one read of the forward: the runtime plans from that copy) and the
+    offsets hold the real segments only; FlashAttention-2's grid has a block row
+    per segment slot, at most 65,535."""
     pos = position_ids.expand(b, s).reshape(b, s)
+    if not compiling:
+        host = pos.to("cpu")
+        start = torch.ones_like(host, dtype=torch.bool)
+        start[:, 1:] = host[:, 1:] != host[:, :-1] + 1
+        starts = torch.nonzero(start.reshape(-1)).flatten().to(torch.int32)
+        cu_host = torch.cat([starts, starts.new_full((1,), b * s)])
+        cu = cu_host.to(pos.device, non_blocking=True) if pos.is_cuda else cu_host
+        seg = _Segments(cu, cu, host_q=cu_host, host_k=cu_host)
+        seg.tell_runtime()
+        return seg
     start = torch.ones_like(pos, dtype=torch.bool)
     start[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
     t = b * s
@@ -772,7 +787,7 @@ def attention_forward(
     elif attention_mask is None:
         position_ids = kwargs.get("position_ids")
         if causal and sq == sk and position_ids is not None and position_ids.shape[-1] == sq:
-            layout = _cached(position_ids, (b, sq), lambda: _position_layout(position_ids, b, sq))
+            layout = _cached(position_ids, (b, sq), lambda: _position_layout(position_ids, b, sq, compiling))
         else:
             layout = _plain_layout(b, sq, sk, query.device) if compiling else _plain_cached(b, sq, sk, query.device)
     if reason is not None:

@@ -226,6 +226,20 @@ class HostLayout:
             )
         return cls(cu_q, cu_k)
 
+    def fa2_offsets(self, device: torch.device, cu_q: torch.Tensor, cu_k: torch.Tensor):
+        """Offsets for a FlashAttention-2 call: the call's own, or, past the kernel's
+        segment limit, this layout without its segments empty on both sides (they
+        produce no row): a compiled packed layout keeps one slot per token."""
+        if self.n <= flash_backward.MAX_SEGMENTS:
+            return cu_q, cu_k
+        key = ("fa2", device)
+        if key not in self._device_cu:
+            lq, lk = self.cu_q[1:] - self.cu_q[:-1], self.cu_k[1:] - self.cu_k[:-1]
+            keep = torch.cat([torch.ones(1, dtype=torch.bool), (lq > 0) | (lk > 0)])
+            self._device_cu[key] = (self.cu_q[keep].to(device, non_blocking=True),
+                                    self.cu_k[keep].to(device, non_blocking=True))
+        return self._device_cu[key]
+
     def device_offsets(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._device_cu:
             self._device_cu[device] = (
@@ -345,6 +359,7 @@ class PlannedStep(Step):
             layout = self._checked_layout(q, k, cu_q, cu_k)
             rt.count("fa2")
             rt.last_backend = "fa2"
+            cu_q, cu_k = layout.fa2_offsets(q.device, cu_q, cu_k)
             return flash_backward.forward(q, k, v, cu_q, cu_k, *layout.max_lens, causal, scale, window)[0]
         reason = select.forward_reason(q.device, q.dtype, q.shape[-1])
         if reason is not None:
@@ -383,6 +398,8 @@ class PlannedStep(Step):
         if window != (-1, -1):  # FlashAttention-2's forward, whose LSE its backward takes as it is
             rt.count("fa2")
             rt.last_backend = "fa2"
+            if not trains:  # a backward takes the call's offsets: the forward must match them
+                cu_q, cu_k = layout.fa2_offsets(q.device, cu_q, cu_k)
             out, lse = flash_backward.forward(q, k, v, cu_q, cu_k, *max_lens, causal, scale, window)
             return out, lse, max_lens
         if total_q == 0 or total_k == 0:

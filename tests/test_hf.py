@@ -669,3 +669,14 @@ def test_mask_function_materialises_patterns_a_layout_cannot_express():
     ref, _ = sdpa_attention_forward(attn, q, k, v, m4, scaling=0.3)
     assert c.n == 0
     close(ref, out)
+
+
+def test_packed_position_ids_give_the_real_segments_eagerly_and_static_slots_compiled():
+    from ragged_compile import hf as rc_hf
+
+    pos = torch.cat([torch.arange(n) for n in (5, 1, 7, 3)])[None]
+    eager = rc_hf._position_layout(pos, 1, pos.shape[1], compiling=False)
+    static = rc_hf._position_layout(pos, 1, pos.shape[1], compiling=True)
+    assert eager.cu_q.tolist() == [0, 5, 6, 13, 16] and eager.host_q.tolist() == [0, 5, 6, 13, 16]
+    assert static.cu_q.numel() == pos.shape[1] + 1  # one slot per token: shapes never change
+    assert torch.unique_consecutive(static.cu_q).tolist() == eager.cu_q.tolist()

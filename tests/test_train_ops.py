@@ -374,3 +374,32 @@ def test_flash_pass_keeps_inference_forward_lse_free():
     targets = [n.target for n in g.nodes if n.op == "call_function"]
     assert torch.ops.ragged_compile.ragged_attention.default in targets
     assert torch.ops.ragged_compile.ragged_attention_lse.default not in targets
+
+
+def test_flashattention2_calls_past_its_segment_limit_say_so():
+    """FlashAttention-2's grid has a block row per segment (CUDA caps it at 65,535):
+    beyond it a clear error, not the launch's "invalid argument"."""
+    n = flash_backward.MAX_SEGMENTS + 1
+    cu = torch.zeros(n + 1, dtype=torch.int32)
+    cu[-1] = 4
+    q = torch.randn(4, 2, 64)
+    for call in (lambda: flash_backward.forward(q, q, q, cu, cu, 4, 4, True, 0.125, (3, -1)),
+                 lambda: flash_backward.backward(q, q, q, q, q, torch.zeros(2, 4), cu, cu, 4, 4, True, 0.125)):
+        with pytest.raises(ValueError, match="at most 65535"):
+            call()
+
+
+def test_a_layout_past_the_segment_limit_hands_flashattention2_its_real_segments():
+    from ragged_compile.steps import HostLayout
+
+    slots = flash_backward.MAX_SEGMENTS + 10
+    lens = torch.zeros(slots, dtype=torch.int64)
+    lens[[0, 7, 70000 % slots, slots - 1]] = torch.tensor([3, 5, 1, 2])
+    layout = HostLayout.from_lengths(lens)
+    cu = layout.cu_q.clone()
+    got_q, got_k = layout.fa2_offsets(torch.device("cpu"), cu, cu)
+    assert got_q.tolist() == [0, 3, 8, 9, 11] and got_k.tolist() == got_q.tolist()
+    small = HostLayout.from_lengths([3, 0, 5])
+    c = small.cu_q.clone()
+    assert layout.fa2_offsets(torch.device("cpu"), cu, cu)[0] is got_q  # once per layout
+    assert small.fa2_offsets(torch.device("cpu"), c, c)[0] is c  # within the limit: the call's own

@@ -131,6 +131,7 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, dropout_p
     if cu_q.numel() - 1 == 0 or max_q == 0 or max_k == 0 or q.shape[0] == 0 or k.shape[0] == 0:
         lse = torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float32, device=q.device)
         return q.new_zeros(q.shape), lse, torch.zeros(2, dtype=torch.uint64, device=q.device)
+    _check_segment_slots(cu_q)
     d = q.shape[-1]
     dp = fa2_head_dim(d)
     out, lse, rng_state, *_ = _forward_kernel(
@@ -201,6 +202,7 @@ def backward(
         # Nothing attends to anything: all gradients are zero (and the kernel
         # rejects n == 0 and fails on max_k == 0).
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    _check_segment_slots(cu_q)
     d = q.shape[-1]
     dp = fa2_head_dim(d)
     dq, dk, dv = _kernel(
@@ -224,6 +226,21 @@ def backward(
     if dp != d:
         dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., :d]
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+# FlashAttention-2 launches a grid with one block row per segment (grid.y), which
+# CUDA caps at 65,535; beyond it the launch fails with "invalid argument".
+MAX_SEGMENTS = 65535
+
+
+def _check_segment_slots(cu_q: torch.Tensor) -> None:
+    n = cu_q.numel() - 1
+    if n > MAX_SEGMENTS:
+        raise ValueError(
+            f"cu_seqlens_q has {n} segments, but PyTorch's FlashAttention-2 kernels (windows, sinks, "
+            f"dropout and training backward on CUDA) take at most {MAX_SEGMENTS} per call; drop empty "
+            f"segments from the offsets or split the batch into calls of fewer segments"
+        )
 
 
 def _max_k_arg(max_q: int, max_k: int, window: tuple[int, int]) -> int:

@@ -805,9 +805,8 @@ def attention_forward(
         elif window is not None and not causal and sq != sk:
             reason = WINDOW_LAYOUT
         else:
-            valid = attention_mask.to(torch.bool)
-
-            def build():
+            def build():  # the mask's bool copy too: once per forward, not per layer
+                valid = attention_mask.to(torch.bool)
                 if compiling:
                     _assert_padded(valid, sq, aligned)
                     return _padded_layout(valid, sq, aligned)

@@ -8,7 +8,8 @@ Rows (``--only`` picks sections):
   step with the layout planned (inference and forward+backward), the same call
   through the dispatcher (``torch.ops.ragged_compile.ragged_attention``), dense
   ``F.scaled_dot_product_attention`` on the padded batch, ``varlen_attn`` where
-  torch has it, FlashInfer's ``wrapper.run`` alone.
+  torch has it, FlashInfer's ``wrapper.run`` alone and the same plan through our
+  backend's ``run`` (which replays the kernel call ``wrapper.run`` makes).
 * ``njt``: NJT SDPA under ``rc.enable()`` against stock NJT SDPA, per call.
 * ``hf``: BERT-base (12 layers, 768 hidden, 12 heads) and BERT-large (24, 1024,
   16) encoders, random weights, bf16, padded batches of random lengths L/2..L
@@ -128,6 +129,8 @@ def op_rows(dev, dtype, lens, heads, d, reps) -> dict:
             w = fi.make_wrapper(rt.workspace(), "fa2")
             fi.plan(w, cu.cpu(), cu.cpu(), hq, hkv, d, dtype, False, d**-0.5)
             rows["flashinfer_run"] = per_call_us(lambda: w.run(q, k, v), dev, reps)
+            # the same plan through our backend, which replays run()'s kernel call
+            rows["flashinfer_replayed"] = per_call_us(lambda: fi.run(w, q, k, v), dev, reps)
     if rt is not None:
         qg, kg, vg, _ = _packed(lens, hq, hkv, d, dtype, dev, grad=True)
         go = torch.randn_like(qg)

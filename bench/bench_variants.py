@@ -75,9 +75,11 @@ def _model(kind, smoke, attn, dev, dtype):
     return model
 
 
-def _padded(b, s, vocab, dev, seed=0):
+def _padded(b, s, vocab, dev, seed=0, low=0.5):
+    """Right-padded ids and mask, lengths uniform in ``low * s .. s`` (0.5: ~75% real
+    tokens; 0: ~50%, half padding)."""
     g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(max(1, s // 2), s + 1, (b,), generator=g)
+    lens = torch.randint(max(1, int(s * low)), s + 1, (b,), generator=g)
     ids = torch.randint(1, vocab, (b, s), generator=g)
     mask = (torch.arange(s)[None, :] < lens[:, None]).long()
     return {"input_ids": (ids * mask).to(dev), "attention_mask": mask.to(dev)}
@@ -95,7 +97,7 @@ def forward_row(kind, stock, smoke, dev, dtype, target_s, unpad=False):
         models["unpad"] = hf.unpad(_model(kind, smoke, name, dev, dtype))
         models["unpad"].load_state_dict(models["stock"].state_dict())
     b, s = ((4, 32) if smoke else {"modernbert": (64, 1024)}.get(kind, (16, 2048)))
-    kw = _padded(b, s, models["stock"].config.vocab_size, dev)
+    kw = _padded(b, s, models["stock"].config.vocab_size, dev, low=0.0 if kind == "modernbert" else 0.5)
     if kind != "modernbert":
         kw["use_cache"] = False
     valid = kw["attention_mask"].bool()

@@ -329,17 +329,23 @@ def mask_function(
     return attention_mask
 
 
-def _causal_pattern(fn, depth: int = 0) -> bool:
+def _pattern_names(fn, depth: int = 0):
+    """The names of the mask patterns transformers composed ``fn`` from, outermost
+    first (closures walked depth first); ``""`` for a walk deeper than 8."""
+    if depth > 8:
+        yield ""
+        return
+    yield getattr(fn, "__qualname__", "").split(".<locals>")[0]
+    for cell in getattr(fn, "__closure__", None) or ():
+        value = cell.cell_contents
+        for inner in value if isinstance(value, (tuple, list)) else (value,):
+            if callable(inner) and not isinstance(inner, (torch.Tensor, type)):
+                yield from _pattern_names(inner, depth + 1)
+
+
+def _causal_pattern(fn) -> bool:
     """Whether a mask pattern transformers composed masks out future keys."""
-    if fn is None or depth > 8:
-        return False
-    if "causal" in getattr(fn, "__qualname__", "").split(".<locals>")[0]:
-        return True
-    return any(
-        callable(inner) and not isinstance(inner, (torch.Tensor, type)) and _causal_pattern(inner, depth + 1)
-        for cell in getattr(fn, "__closure__", None) or ()
-        for inner in (cell.cell_contents if isinstance(cell.cell_contents, (tuple, list)) else (cell.cell_contents,))
-    )
+    return fn is not None and any("causal" in name for name in _pattern_names(fn))
 
 
 def _attention_passes_window(config) -> bool:
@@ -373,19 +379,9 @@ _LAYOUT_PATTERNS = {
 }
 
 
-def _layout_pattern(fn, depth: int = 0) -> bool:
+def _layout_pattern(fn) -> bool:
     """Whether transformers composed `fn` only from patterns a layout expresses."""
-    if fn is None:
-        return True
-    head = getattr(fn, "__qualname__", "").split(".<locals>")[0]
-    if head not in _LAYOUT_PATTERNS or depth > 8:
-        return False
-    for cell in getattr(fn, "__closure__", None) or ():
-        value = cell.cell_contents
-        for inner in value if isinstance(value, (tuple, list)) else (value,):
-            if callable(inner) and not isinstance(inner, (torch.Tensor, type)) and not _layout_pattern(inner, depth + 1):
-                return False
-    return True
+    return fn is None or all(name in _LAYOUT_PATTERNS for name in _pattern_names(fn))
 
 
 # -- layouts ----------------------------------------------------------------------

@@ -56,6 +56,7 @@ bench() {
   step bench-host python3 bench/bench_host.py --out "$OUT"
   step bench-host-graphs python3 bench/bench_host.py --only graphs --out "$OUT/graphs"  # host.{json,md} of its own
   step bench-variants python3 bench/bench_variants.py --out "$OUT"
+  step bench-unpad python3 bench/bench_unpad.py --out "$OUT"
   step bench-eager-reuse python3 bench/bench_eager_reuse.py --out "$OUT/eager_reuse.json"
   step bench-cudagraph python3 bench/bench_cudagraph.py --steps 100 --out "$OUT"
   step sweep-backends python3 bench/sweep_backends.py --out "$OUT"
@@ -69,6 +70,7 @@ bench() {
 profile() {
   step profile-train python3 bench/profile/profile_train.py --out "$OUT"
   step profile-cudagraph python3 bench/profile/profile_cudagraph.py --out "$OUT"
+  step profile-hf python3 bench/profile/profile_hf.py --out "$OUT"
 }
 
 for phase in "${@:-tests bench}"; do

@@ -1,0 +1,178 @@
+"""Padded batches unpadded end to end (``hf.unpad``) where users meet them beyond
+BERT classifiers, side by side in one process (BERT encoders: ``bench_host.py``):
+
+* ``decoder``: a Qwen2-style 0.5B decoder (24 layers, hidden 896, 14 query / 2
+  key-value heads) scoring left-padded batches with last-token pooling, as
+  Qwen3-Embedding-style models embed: 32 x 512 and 128 x 128 at half padding
+  (lengths 1..L). ``"sdpa"`` padded, ours padded (``register()`` only), ours
+  unpadded; forward ms, max |diff| of the pooled embedding.
+* ``st``: sentence-transformers ``encode()`` of 2,048 sentences of mixed length
+  (lognormal, mean ~45 tokens, up to 510) on a BERT-base saved to a local
+  directory, batch 64, mean pooling: ``"sdpa"``, ours (``register()``) and ours
+  unpadded (``hf.unpad(model[0].auto_model)``, the one documented line), the
+  sentences in random order and pre-sorted by length (``encode`` sorts each call's
+  sentences itself; the input order decides nothing else). Seconds per encode,
+  max |diff| of the embeddings.
+
+Random weights, bf16 on CUDA (float32 on CPU, where ``--smoke`` checks the
+plumbing on tiny sizes). Writes ``unpad.json`` and ``unpad.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_host import _sentences  # noqa: E402
+from env import environment  # noqa: E402
+from timing import sync, time_fn  # noqa: E402
+
+from ragged_compile import hf  # noqa: E402
+
+
+def _left_padded(b, s, vocab, dev, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, s + 1, (b,), generator=g)
+    mask = (torch.arange(s)[None, :] >= (s - lens)[:, None]).long()
+    ids = torch.randint(1, vocab, (b, s), generator=g) * mask
+    return ids.to(dev), mask.to(dev)
+
+
+def decoder_rows(dev, dtype, smoke, target_s) -> list[dict]:
+    from transformers import Qwen2Config, Qwen2Model
+
+    size = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                intermediate_size=4864, vocab_size=151936, max_position_embeddings=4096)
+    if smoke:
+        size = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=64, vocab_size=128, max_position_embeddings=256)
+    name = hf.register()
+    models = {}
+    for key, attn in (("sdpa", "sdpa"), ("ours", name), ("unpad", name)):
+        torch.manual_seed(0)
+        m = Qwen2Model(Qwen2Config(**size, attn_implementation=attn)).to(dev, dtype).eval()
+        models[key] = hf.unpad(m) if key == "unpad" else m
+    rows = []
+    for b, s in ([(4, 16)] if smoke else [(32, 512), (128, 128)]):
+        ids, mask = _left_padded(b, s, size["vocab_size"], dev)
+        row = {"model": "qwen2-0.5b-style", "batch": b, "length": s, "padding": "left",
+               "real_fraction": float(mask.float().mean())}
+        pooled = {}
+        with torch.no_grad():
+            for key, m in models.items():
+                fn = lambda m=m: m(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, -1]  # noqa: E731
+                pooled[key] = fn().float()
+                row[f"{key}_ms"] = time_fn(fn, dev, warmup=2, min_reps=5, target_s=target_s)["wall_ms"]
+        for key in ("ours", "unpad"):
+            row[f"{key}_over_sdpa_speed"] = row["sdpa_ms"] / row[f"{key}_ms"]
+            row[f"{key}_max_diff"] = (pooled[key] - pooled["sdpa"]).abs().max().item()
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def st_rows(dev, dtype, smoke) -> list[dict]:
+    import sentence_transformers as st
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    n, batch, words = (64, 16, 500) if smoke else (2048, 64, 30000)
+    size = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64) if smoke else \
+        dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
+    texts = _sentences(n, words)
+    name = hf.register()
+    with tempfile.TemporaryDirectory() as tmp:
+        path, vocab = pathlib.Path(tmp) / "model", pathlib.Path(tmp) / "vocab.txt"
+        vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(words)]))
+        tok = BertTokenizerFast(vocab_file=str(vocab), model_max_length=512)
+        torch.manual_seed(0)
+        BertModel(BertConfig(vocab_size=words + 5, max_position_embeddings=512, attention_probs_dropout_prob=0.0,
+                             **size)).save_pretrained(path)
+        tok.save_pretrained(path)
+
+        def load(attn):
+            t = Transformer(str(path), model_kwargs={"attn_implementation": attn, "dtype": dtype})
+            return st.SentenceTransformer(modules=[t, Pooling(t.get_embedding_dimension(), pooling_mode="mean")],
+                                          device=str(dev))
+
+        models = {"sdpa": load("sdpa"), "ours": load(name), "unpad": load(name)}
+    hf.unpad(models["unpad"][0].auto_model)  # the one line
+    orders = {"random": texts, "sorted": sorted(texts, key=len)}
+    rows = []
+    for order, inputs in orders.items():
+        row = {"sentences": n, "batch": batch, "order": order,
+               "mean_tokens": sum(len(t.split()) + 2 for t in inputs) / n}
+        emb = {}
+        for key, m in models.items():
+            m.encode(inputs[: 4 * batch], batch_size=batch)  # warm up
+            times = []
+            for _ in range(1 if smoke else 3):
+                sync(dev)
+                t0 = time.perf_counter()
+                emb[key] = m.encode(inputs, batch_size=batch, convert_to_tensor=True)
+                sync(dev)
+                times.append(time.perf_counter() - t0)
+            row[f"{key}_s"] = min(times)
+        for key in ("ours", "unpad"):
+            row[f"{key}_over_sdpa_speed"] = row["sdpa_s"] / row[f"{key}_s"]
+            row[f"{key}_max_diff"] = (emb[key].float() - emb["sdpa"].float()).abs().max().item()
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def _markdown(res: dict) -> str:
+    lines = ["# Unpadded end to end: decoders and sentence-transformers", "",
+             f"Environment: `{json.dumps(res['environment'])}`", ""]
+    if "decoder" in res:
+        lines += ["## Qwen2-style 0.5B decoder, left padding, last-token pooling (forward)", "",
+                  "| batch x L | real tokens | sdpa ms | ours ms | unpadded ms | ours / sdpa | unpadded / sdpa | max diff |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in res["decoder"]:
+            lines.append(f"| {r['batch']} x {r['length']} | {r['real_fraction']:.0%} | {r['sdpa_ms']:.2f} | "
+                         f"{r['ours_ms']:.2f} | {r['unpad_ms']:.2f} | {r['ours_over_sdpa_speed']:.2f}x | "
+                         f"{r['unpad_over_sdpa_speed']:.2f}x | {max(r['ours_max_diff'], r['unpad_max_diff']):.1e} |")
+        lines.append("")
+    if "st" in res:
+        lines += ["## sentence-transformers encode(), BERT-base, mean pooling", "",
+                  "| sentences | order | sdpa s | ours s | unpadded s | ours / sdpa | unpadded / sdpa | max diff |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in res["st"]:
+            lines.append(f"| {r['sentences']} (mean {r['mean_tokens']:.0f} tokens) | {r['order']} | {r['sdpa_s']:.3f} | "
+                         f"{r['ours_s']:.3f} | {r['unpad_s']:.3f} | {r['ours_over_sdpa_speed']:.2f}x | "
+                         f"{r['unpad_over_sdpa_speed']:.2f}x | {max(r['ours_max_diff'], r['unpad_max_diff']):.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--only", default="decoder,st")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--target-s", type=float, default=1.0)
+    a = p.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    only = set(a.only.split(","))
+    res: dict = {"environment": environment(), "device": str(dev), "dtype": str(dtype), "smoke": a.smoke}
+    if "decoder" in only:
+        res["decoder"] = decoder_rows(dev, dtype, a.smoke, 0.05 if a.smoke else a.target_s)
+    if "st" in only:
+        res["st"] = st_rows(dev, dtype, a.smoke)
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "unpad.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / "unpad.md").write_text(_markdown(res))
+    print(_markdown(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -130,3 +130,21 @@ def test_calls_it_cannot_replay_exactly_keep_running_run(monkeypatch):
     for _ in range(3):  # q is k: its slot would be ambiguous
         torch.testing.assert_close(fi.run(w2, q, q, v), _expected(q, q, v, 2.0, 0.5)[0], rtol=0, atol=0)
     assert w2.runs == 3
+
+
+def test_a_kernel_call_with_keywords_is_run_not_replayed(monkeypatch):
+    monkeypatch.setattr(fi, "_pdl", lambda index: False)
+
+    class KeywordWrapper(_Wrapper):
+        def run(self, q, k, v, return_lse=False, enable_pdl=False):
+            self.runs += 1
+            out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype)
+            self._cached_module.ragged_run(self._ws, self._plan_info, q, k, v, out, None, self._scale, pdl=enable_pdl)
+            return out
+
+    w = KeywordWrapper()
+    w.plan(2.0, 0.5)
+    for seed in range(3):
+        q, k, v = _qkv(seed)
+        torch.testing.assert_close(fi.run(w, q, k, v), _expected(q, k, v, 2.0, 0.5)[0], rtol=0, atol=0)
+    assert w.runs == 3

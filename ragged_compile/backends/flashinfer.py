@@ -211,9 +211,9 @@ class _Recorder:
     def __init__(self, module):
         self._module, self.args = module, None
 
-    def ragged_run(self, *args):
-        self.args = args
-        return self._module.ragged_run(*args)
+    def ragged_run(self, *args, **kwargs):
+        self.args = None if kwargs else args  # keywords: a call this module does not replay
+        return self._module.ragged_run(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._module, name)

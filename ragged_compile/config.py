@@ -11,6 +11,10 @@ variable                      values                   read
 ``RAGGED_COMPILE_BACKEND``    ``auto``/``fa2``/``fa3``   when a :class:`~ragged_compile.Runtime` is made
                                                        (FlashInfer's kernel family on CUDA).
 ``RAGGED_COMPILE_BACKWARD``   ``auto``/``fa2``/``fa4``   at every training backward on CUDA.
+``RAGGED_COMPILE_FA4_PAD``    ``copies``/``fused``     at every flash-attn-4 backward: how its
+                                                       isolation layout is written (PyTorch's
+                                                       copies, or one Triton gather a side;
+                                                       backends/tile_pad.py).
 ============================  =======================  ==========================================
 
 A flag is on for any value but ``""``, ``0``, ``false``, ``no`` and ``off``
@@ -21,15 +25,17 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["flag", "choice", "DEBUG", "REFERENCE", "BACKEND", "BACKWARD", "BACKENDS", "BACKWARDS"]
+__all__ = ["flag", "choice", "DEBUG", "REFERENCE", "BACKEND", "BACKWARD", "FA4_PAD", "BACKENDS", "BACKWARDS", "FA4_PADS"]
 
 DEBUG = "RAGGED_COMPILE_DEBUG"
 REFERENCE = "RAGGED_COMPILE_REFERENCE"
 BACKEND = "RAGGED_COMPILE_BACKEND"
 BACKWARD = "RAGGED_COMPILE_BACKWARD"
+FA4_PAD = "RAGGED_COMPILE_FA4_PAD"
 
 BACKENDS = ("auto", "fa2", "fa3")
 BACKWARDS = ("auto", "fa2", "fa4")
+FA4_PADS = ("copies", "fused")
 
 _OFF = ("", "0", "false", "no", "off")
 

@@ -14,7 +14,7 @@ import torch
 
 from ragged_compile import ops, reference
 from ragged_compile.backends import select
-from ragged_compile.backends import fa4_backward
+from ragged_compile.backends import fa4_backward, tile_pad
 from ragged_compile.reference import reference_attention, reference_attention_backward
 
 TILES = (5, 7)  # odd tiles, so padded and unpadded layouts differ everywhere
@@ -148,7 +148,8 @@ def test_the_contract_model_leaks_without_the_padding(fa4, monkeypatch):
 
     def unpadded(cu, total, tile):
         cu = cu.to(torch.int32)
-        return cu, cu[1:] - cu[:-1], torch.arange(total), total + tile
+        src = torch.cat([torch.arange(total), torch.full((tile,), -1)])
+        return tile_pad.Layout(cu, cu[1:] - cu[:-1], src, torch.arange(total), total + tile)
 
     monkeypatch.setattr(fa4_backward, "_padded_layout", unpadded)
     q, k, v, go, cq, ck = _case([6, 4], [8, 3])

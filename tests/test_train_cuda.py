@@ -38,13 +38,18 @@ def _backward_kernels():
     out = ["fa2"]
     if torch.cuda.is_available() and fa4_backward.unsupported_reason(torch.device("cuda"), torch.bfloat16, 128) is None:
         out.append("fa4")
+        out.append("fa4-fused")  # its isolation layout written by the fused Triton gather (tile_pad.py)
     return out
 
 
 @pytest.fixture(params=_backward_kernels())
 def backward_kernel(request, monkeypatch):
-    monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", request.param)
-    return request.param
+    kernel, _, pad = request.param.partition("-")
+    monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", kernel)
+    if pad:
+        pytest.importorskip("triton")
+        monkeypatch.setenv("RAGGED_COMPILE_FA4_PAD", pad)
+    return kernel
 
 
 def _spy_fused_backward(monkeypatch) -> list:

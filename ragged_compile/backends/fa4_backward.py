@@ -24,7 +24,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
+
+from . import tile_pad
 
 __all__ = ["installed", "unsupported_reason", "backward", "fa4_head_dim"]
 
@@ -115,26 +116,6 @@ def _tiles(d: int, causal: bool) -> tuple[int, int]:
     return cfg.m_block_size, cfg.n_block_size
 
 
-def _padded_layout(cu: torch.Tensor, total: int, tile: int):
-    """Segments padded to multiples of ``tile``: (padded offsets int32, true lengths
-    int32, destination row of each real row, rows to allocate)."""
-    n = cu.numel() - 1
-    cu = cu.to(torch.int32)
-    lens = cu[1:] - cu[:-1]
-    padded = (lens + (tile - 1)) // tile * tile
-    cu_pad = F.pad(padded.cumsum(0, dtype=torch.int32), (1, 0))
-    shift = (cu_pad[:-1] - cu[:-1]).to(torch.int64)
-    dst = torch.arange(total, device=cu.device) + torch.repeat_interleave(shift, lens, output_size=total)
-    # + tile: the last segment's tile may read up to a tile past its padded end.
-    return cu_pad, lens, dst, total + n * (tile - 1) + tile
-
-
-def _scatter(x: torch.Tensor, dst: torch.Tensor, rows: int, dp: int) -> torch.Tensor:
-    out = x.new_zeros((rows, x.shape[1], dp))
-    out[:, :, : x.shape[-1]].index_copy_(0, dst, x)
-    return out
-
-
 def backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -154,29 +135,27 @@ def backward(
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dp = fa4_head_dim(d)
     tile_m, tile_n = _tiles(dp, causal)
-    cu_pq, lens_q, dst_q, rows_q = _padded_layout(cu_q, Tq, tile_m)
-    cu_pk, lens_k, dst_k, rows_k = _padded_layout(cu_k, Tk, tile_n)
-    lse_p = lse.new_full((lse.shape[0], rows_q), float("inf"))
-    lse_p.index_copy_(1, dst_q, lse)
+    lay_q, lay_k = _padded_layout(cu_q, Tq, tile_m), _padded_layout(cu_k, Tk, tile_n)
+    qp, outp, gop = tile_pad.pad_rows((q, out, grad_out.to(q.dtype)), lay_q, dp)
+    kp, vp = tile_pad.pad_rows((k, v), lay_k, dp)
     dq, dk, dv = _kernel(
-        _scatter(q, dst_q, rows_q, dp),
-        _scatter(k, dst_k, rows_k, dp),
-        _scatter(v, dst_k, rows_k, dp),
-        _scatter(out, dst_q, rows_q, dp),
-        _scatter(grad_out.to(q.dtype), dst_q, rows_q, dp),
-        lse_p,
+        qp, kp, vp, outp, gop,
+        tile_pad.pad_lse(lse, lay_q),
         softmax_scale=scale,
         causal=causal,
-        cu_seqlens_q=cu_pq,
-        cu_seqlens_k=cu_pk,
-        seqused_q=lens_q,
-        seqused_k=lens_k,
+        cu_seqlens_q=lay_q.cu,
+        cu_seqlens_k=lay_k.cu,
+        seqused_q=lay_q.lens,
+        seqused_k=lay_k.lens,
     )
-    return (
-        dq.index_select(0, dst_q)[..., :d].contiguous(),
-        dk.index_select(0, dst_k)[..., :d].contiguous(),
-        dv.index_select(0, dst_k)[..., :d].contiguous(),
-    )
+    (dq,) = tile_pad.unpad_rows((dq,), lay_q, d)
+    dk, dv = tile_pad.unpad_rows((dk, dv), lay_k, d)
+    return dq, dk, dv
+
+
+def _padded_layout(cu: torch.Tensor, total: int, tile: int) -> tile_pad.Layout:
+    # a seam: CPU tests lay segments out unpadded here to show the isolation is needed
+    return tile_pad.layout(cu, total, tile)
 
 
 def _kernel(*args, **kwargs):

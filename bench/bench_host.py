@@ -37,7 +37,6 @@ the plumbing. Writes ``host.json`` (every number, the environment) and
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -50,6 +49,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from env import environment  # noqa: E402
+from harness import model_cli  # noqa: E402
 from timing import sync as _sync, time_fn  # noqa: E402
 
 import ragged_compile as rc  # noqa: E402
@@ -472,14 +472,7 @@ def _markdown(res: dict) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench/results")
-    p.add_argument("--only", default="op,njt,hf,train")
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--target-s", type=float, default=1.0)
-    a = p.parse_args()
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    a, dev, dtype = model_cli(__doc__, "op,njt,hf,train")
     only = set(a.only.split(","))
     res: dict = {"environment": environment(), "device": str(dev), "dtype": str(dtype)}
     small = [9, 17, 33, 12] * (1 if a.smoke else 8)

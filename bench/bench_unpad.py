@@ -20,7 +20,6 @@ plumbing on tiny sizes). Writes ``unpad.json`` and ``unpad.md`` to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -33,6 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_host import _sentences  # noqa: E402
 from env import environment  # noqa: E402
+from harness import model_cli  # noqa: E402
 from timing import sync, time_fn  # noqa: E402
 
 from ragged_compile import hf  # noqa: E402
@@ -153,14 +153,7 @@ def _markdown(res: dict) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench/results")
-    p.add_argument("--only", default="decoder,st")
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--target-s", type=float, default=1.0)
-    a = p.parse_args()
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    a, dev, dtype = model_cli(__doc__, "decoder,st")
     only = set(a.only.split(","))
     res: dict = {"environment": environment(), "device": str(dev), "dtype": str(dtype), "smoke": a.smoke}
     if "decoder" in only:

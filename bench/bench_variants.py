@@ -23,7 +23,6 @@ positions against stock (dropout rows: none, masks differ). Writes
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -34,6 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from env import environment  # noqa: E402
+from harness import model_cli  # noqa: E402
 from timing import time_fn  # noqa: E402
 
 from ragged_compile import hf  # noqa: E402
@@ -182,14 +182,7 @@ def train_row(kind, stock, smoke, dev, dtype, target_s):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench/results")
-    p.add_argument("--only", default="mistral,gemma2,gpt_oss,modernbert,bert_dropout")
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--target-s", type=float, default=1.0)
-    a = p.parse_args()
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    a, dev, dtype = model_cli(__doc__, "mistral,gemma2,gpt_oss,modernbert,bert_dropout")
     target = 0.05 if a.smoke else a.target_s
     rows = []
     jobs = {

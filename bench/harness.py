@@ -199,3 +199,17 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float().to(a.device)).abs().max().item())
 
 
+def model_cli(doc: str, only: str):
+    """The command line of the model benchmarks (``bench_host``, ``bench_unpad``,
+    ``bench_variants``): ``(args, device, dtype)``, bf16 on CUDA, float32 on CPU."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--only", default=only, help=f"comma-separated sections (default {only})")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, any device: checks the plumbing")
+    p.add_argument("--target-s", type=float, default=1.0)
+    a = p.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return a, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+

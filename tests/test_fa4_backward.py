@@ -246,3 +246,51 @@ def test_only_verified_versions_are_used(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "4.0.0b99")
     reason = fa4_backward._interface.__wrapped__()
     assert isinstance(reason, str) and "4.0.0b99 is not a verified version (4.0.0b36)" in reason
+
+
+def test_a_backward_pass_builds_each_padded_layout_once(fa4, monkeypatch):
+    """Layers share their offsets: one layout per (offsets, tile) per backward pass,
+    built again in the next pass and after an in-place edit of the offsets."""
+    built = []
+    real = tile_pad.layout
+    monkeypatch.setattr(tile_pad, "layout", lambda cu, total, tile: built.append(tile) or real(cu, total, tile))
+    q, k, v, go, cq, ck = _case([3, 0, 5], [2, 4, 6])
+    out = reference_attention(q, k, v, cq, ck, False, 0.3)
+    lse = reference.reference_lse(q, k, cq, ck, False, 0.3)
+    want = fa4_backward.backward(go, q, k, v, out, lse, cq, ck, False, 0.3)
+    assert len(built) == 2  # outside a backward pass: nothing kept
+    seen = []
+
+    class Layers(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            for _ in range(3):  # three layers on the same offsets
+                seen.append(fa4_backward.backward(go, q, k, v, out, lse, cq, ck, False, 0.3))
+            return g
+
+    x = torch.ones(2, requires_grad=True)
+    built.clear()
+    Layers.apply(x).sum().backward()
+    assert len(built) == 2 and all(torch.equal(a, b) for got in seen for a, b in zip(got, want))
+    Layers.apply(x).sum().backward()  # a new pass
+    assert len(built) == 4
+
+    class Edited(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            fa4_backward.backward(go, q, k, v, out, lse, cq, ck, False, 0.3)
+            cq.add_(0)  # an in-place edit: the q side's layout is built again, k's is not
+            fa4_backward.backward(go, q, k, v, out, lse, cq, ck, False, 0.3)
+            return g
+
+    built.clear()
+    Edited.apply(x).sum().backward()
+    assert len(built) == 3

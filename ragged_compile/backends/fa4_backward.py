@@ -22,6 +22,7 @@ its source and probed on the H200 against float64 autograd):
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -155,7 +156,41 @@ def backward(
 
 def _padded_layout(cu: torch.Tensor, total: int, tile: int) -> tile_pad.Layout:
     # a seam: CPU tests lay segments out unpadded here to show the isolation is needed
-    return tile_pad.layout(cu, total, tile)
+    return _layouts.get(cu, total, tile)
+
+
+class _PassLayouts:
+    """The padded layouts of one backward pass: every layer of a model shares its
+    offsets tensor, so the layout is built once per pass, not once per layer.
+
+    Known by the offsets' identity and version, the row count, the tile and the
+    stream, and only within the autograd graph task that built it (a new backward
+    pass starts afresh, so a graph replay that rewrote the offsets, or memory
+    reused by other offsets, never meets an old layout). Outside a backward pass
+    nothing is kept."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def get(self, cu: torch.Tensor, total: int, tile: int) -> tile_pad.Layout:
+        task = torch._C._current_graph_task_id()
+        if task < 0 or cu.is_inference():
+            return tile_pad.layout(cu, total, tile)
+        stream = torch.cuda.current_stream(cu.device).cuda_stream if cu.is_cuda else 0
+        entries = getattr(self._local, "entries", None)
+        if entries is None or self._local.task != task:
+            entries = self._local.entries = {}
+            self._local.task = task
+        key = (id(cu), cu._version, total, tile, stream)
+        hit = entries.get(key)
+        if hit is not None and hit[0] is cu:
+            return hit[1]
+        lay = tile_pad.layout(cu, total, tile)
+        entries[key] = (cu, lay)  # held until the next pass: the offsets' id stays theirs
+        return lay
+
+
+_layouts = _PassLayouts()
 
 
 def _kernel(*args, **kwargs):

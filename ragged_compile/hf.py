@@ -612,9 +612,10 @@ def _dense_from_layout(layout: _Segments, b, sq, sk, causal, window, device) -> 
     allowed = sq_id.view(b, sq, 1) == sk_id.view(b, 1, sk)
     if causal:
         allowed = allowed & (kpos <= qpos)
-    if window is not None:
-        dist = qpos - kpos
-        allowed = allowed & ((dist < window) if causal else (dist.abs() < window))
+    if window is not None:  # |q - k| < window, compared without a [Sq, Sk] integer tensor
+        allowed = allowed & (kpos > qpos - window)
+        if not causal:
+            allowed = allowed & (kpos < qpos + window)
     empty = ~allowed.any(-1, keepdim=True)
     return (allowed | empty)[:, None], empty
 

@@ -2,7 +2,8 @@
 ours unpadded (``hf.unpad``) and the same batch packed by hand (valid tokens
 gathered, position ids restarting per row, ``cu_seq_lens_q/k`` kwargs), per
 shape: wall ms back to back, the GPU time of one forward queued behind a sleep
-(the host out of the way), the kernels' total and the top kernels.
+(the host out of the way), the kernels' total and the top kernels, the CUDA
+runtime calls per forward (launches, copies, syncs) and Python profiles.
 
 The gap between ``unpad`` and ``hand_packed`` is what unpadding itself costs;
 the gap between a row's wall and GPU time is the host's.
@@ -59,6 +60,25 @@ def _python_profile(fn, dev, calls=20, lines=40) -> str:
     return buf.getvalue()
 
 
+def _runtime_calls(fn, steps=3) -> dict:
+    """CUDA runtime and driver calls per forward (torch.profiler's CPU-side events
+    named ``cuda*``/``cu*``): launches, copies, syncs, events, with their host us.
+    A device-to-host copy or a synchronize here is a wait the wall time shows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    calls = {}
+    for ev in prof.key_averages():
+        if ev.key.startswith(("cuda", "cu")) and not ev.key.startswith(("cudnn", "cutlass")):
+            calls[ev.key] = {"per_forward": ev.count / steps, "host_us_per_forward": ev.cpu_time_total / steps}
+    return dict(sorted(calls.items(), key=lambda kv: -kv[1]["host_us_per_forward"]))
+
+
 def rows(dev, dtype, label, layers, hidden, heads, shapes, low, python_profile=False) -> list[dict]:
     from ragged_compile import hf
 
@@ -84,7 +104,8 @@ def rows(dev, dtype, label, layers, hidden, heads, shapes, low, python_profile=F
                 t = time_fn(fn, dev, warmup=3, min_reps=10)
                 row[k] = {"wall_ms": round(t["wall_ms"], 3)}
                 if dev.type == "cuda":
-                    row[k].update(gpu_ms=gpu_queued_ms(fn), kernels=kernel_times(fn, steps=3, top=12))
+                    row[k].update(gpu_ms=gpu_queued_ms(fn), kernels=kernel_times(fn, steps=3, top=12),
+                                  runtime_calls=_runtime_calls(fn))
             want = fns["sdpa"]()[mask.bool()].float()
             for k in ("ours", "unpad"):
                 row[k]["max_diff"] = (fns[k]()[mask.bool()].float() - want).abs().max().item()

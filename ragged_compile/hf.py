@@ -497,20 +497,20 @@ def _position_layout(position_ids: torch.Tensor, b: int, s: int, compiling: bool
     (the one read of the forward: the runtime plans from that copy) and the
     offsets hold the real segments only; FlashAttention-2's grid has a block row
     per segment slot, at most 65,535."""
+    device = position_ids.device
     pos = position_ids.expand(b, s).reshape(b, s)
     if not compiling:
-        host = pos.to("cpu")
-        start = torch.ones_like(host, dtype=torch.bool)
-        start[:, 1:] = host[:, 1:] != host[:, :-1] + 1
-        starts = torch.nonzero(start.reshape(-1)).flatten().to(torch.int32)
-        cu_host = torch.cat([starts, starts.new_full((1,), b * s)])
-        cu = cu_host.to(pos.device, non_blocking=True) if pos.is_cuda else cu_host
-        seg = _Segments(cu, cu, host_q=cu_host, host_k=cu_host)
-        seg.tell_runtime()
-        return seg
+        pos = pos.to("cpu")
     start = torch.ones_like(pos, dtype=torch.bool)
     start[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
     t = b * s
+    if not compiling:
+        starts = torch.nonzero(start.reshape(t)).flatten().to(torch.int32)
+        cu_host = torch.cat([starts, starts.new_full((1,), t)])
+        cu = cu_host.to(device, non_blocking=True) if device.type == "cuda" else cu_host
+        seg = _Segments(cu, cu, host_q=cu_host, host_k=cu_host)
+        seg.tell_runtime()
+        return seg
     idx = torch.arange(t, device=pos.device, dtype=torch.int32)
     starts = torch.where(start.reshape(t), idx, torch.full_like(idx, t))
     cu = torch.cat([torch.sort(starts).values, idx.new_full((1,), t)])

@@ -214,6 +214,7 @@ class HostLayout:
         active = (lens_q > 0) & (lens_k > 0)
         self.active, self.active_k = int(active.sum()), int(lens_k[active].sum())
         self._device_cu: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._fa2_cu: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # see fa2_offsets
 
     @classmethod
     def from_lengths(cls, seq_lens_q, seq_lens_k=None) -> HostLayout:
@@ -232,13 +233,12 @@ class HostLayout:
         produce no row): a compiled packed layout keeps one slot per token."""
         if self.n <= flash_backward.MAX_SEGMENTS:
             return cu_q, cu_k
-        key = ("fa2", device)
-        if key not in self._device_cu:
+        if device not in self._fa2_cu:
             lq, lk = self.cu_q[1:] - self.cu_q[:-1], self.cu_k[1:] - self.cu_k[:-1]
             keep = torch.cat([torch.ones(1, dtype=torch.bool), (lq > 0) | (lk > 0)])
-            self._device_cu[key] = (self.cu_q[keep].to(device, non_blocking=True),
+            self._fa2_cu[device] = (self.cu_q[keep].to(device, non_blocking=True),
                                     self.cu_k[keep].to(device, non_blocking=True))
-        return self._device_cu[key]
+        return self._fa2_cu[device]
 
     def device_offsets(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._device_cu:

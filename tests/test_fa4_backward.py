@@ -148,8 +148,7 @@ def test_the_contract_model_leaks_without_the_padding(fa4, monkeypatch):
 
     def unpadded(cu, total, tile):
         cu = cu.to(torch.int32)
-        src = torch.cat([torch.arange(total), torch.full((tile,), -1)])
-        return tile_pad.Layout(cu, cu[1:] - cu[:-1], src, torch.arange(total), total + tile)
+        return tile_pad.Layout(cu, cu[1:] - cu[:-1], torch.arange(total), total + tile)
 
     monkeypatch.setattr(fa4_backward, "_padded_layout", unpadded)
     q, k, v, go, cq, ck = _case([6, 4], [8, 3])

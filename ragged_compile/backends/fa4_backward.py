@@ -176,7 +176,7 @@ class _PassLayouts:
         task = torch._C._current_graph_task_id()
         if task < 0 or cu.is_inference():
             return tile_pad.layout(cu, total, tile)
-        stream = torch.cuda.current_stream(cu.device).cuda_stream if cu.is_cuda else 0
+        stream = torch._C._cuda_getCurrentRawStream(cu.device.index) if cu.is_cuda else 0
         entries = getattr(self._local, "entries", None)
         if entries is None or self._local.task != task:
             entries = self._local.entries = {}

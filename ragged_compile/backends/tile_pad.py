@@ -35,16 +35,21 @@ class Layout:
     """One side of a call in the padded layout.
 
     cu: int32 ``[n + 1]`` padded segment starts (the kernel's ``cu_seqlens``);
-    lens: int32 ``[n]`` true lengths (its ``seqused``); src: int64 ``[rows]``, the
-    input row of each padded row, -1 for padding; dst: int64 ``[T]``, the padded
-    row of each input row; rows: the padded row count (host int).
+    lens: int32 ``[n]`` true lengths (its ``seqused``); dst: int64 ``[T]``, the
+    padded row of each input row; rows: the padded row count (host int).
     """
 
     cu: torch.Tensor
     lens: torch.Tensor
-    src: torch.Tensor
     dst: torch.Tensor
     rows: int
+
+    @functools.cached_property
+    def src(self) -> torch.Tensor:
+        """int64 ``[rows]``: the input row of each padded row, -1 for padding (what
+        the fused gather reads; built on first use)."""
+        src = torch.full((self.rows,), -1, dtype=torch.int64, device=self.dst.device)
+        return src.index_copy_(0, self.dst, torch.arange(self.dst.numel(), device=self.dst.device))
 
 
 def layout(cu: torch.Tensor, total: int, tile: int) -> Layout:
@@ -56,10 +61,7 @@ def layout(cu: torch.Tensor, total: int, tile: int) -> Layout:
     shift = (cu_pad[:-1] - cu[:-1]).to(torch.int64)
     dst = torch.arange(total, device=cu.device) + torch.repeat_interleave(shift, lens, output_size=total)
     # + tile: the last segment's tile may read up to a tile past its padded end.
-    rows = total + n * (tile - 1) + tile
-    src = torch.full((rows,), -1, dtype=torch.int64, device=cu.device)
-    src.index_copy_(0, dst, torch.arange(total, device=cu.device))
-    return Layout(cu_pad, lens, src, dst, rows)
+    return Layout(cu_pad, lens, dst, total + n * (tile - 1) + tile)
 
 
 def fused(device: torch.device) -> bool:

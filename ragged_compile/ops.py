@@ -47,6 +47,7 @@ from .reference import (
     reference_lse,
 )
 from .runtime import get_runtime
+from .steps import fast_attention
 from .validation import (
     check_cu_seqlens_values, check_dropout, check_inputs, check_meta, check_values, check_variants,
     check_variants_meta, debug_checks,
@@ -144,6 +145,21 @@ def ragged_attention(
     host copies: always for CPU tensors, at plan time on CUDA, and on every call
     under ``RAGGED_COMPILE_DEBUG=1``, since reading device offsets costs a sync.
     """
+    if (
+        not torch.compiler.is_compiling() and type(q) is _Tensor and q.is_cuda and sinks is None
+        and max_seqlen_q is None and max_seqlen_k is None and (causal is False or causal is True)
+        and (scale is None or type(scale) is float) and type(window_size) is tuple and window_size == (-1, -1)
+        and type(softcap) is float and softcap == 0.0 and type(dropout_p) is float and dropout_p == 0.0
+        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+        and not torch.is_autocast_enabled("cuda") and not debug_checks() and _undispatched(q, k, v)
+    ):
+        # The layers of a forward after its first: see steps.fast_attention.
+        out = fast_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k, causal,
+            q.shape[-1] ** -0.5 if scale is None else scale,
+        )
+        if out is not None:
+            return out
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q
         if max_seqlen_k is None:
@@ -299,7 +315,7 @@ def _undispatched(q, k, v) -> bool:
         and not torch._C._is_torch_function_mode_enabled()
         and not torch.autograd._profiler_enabled()
         and not torch._C._are_functorch_transforms_active()
-        and not torch.jit.is_tracing()  # a trace must record the op, which checks at every run
+        and not torch._C._is_tracing()  # a trace must record the op, which checks at every run
     )
 
 

@@ -312,7 +312,7 @@ class Runtime:
             return hit[0]
         backend = select.flashinfer_backend(
             self.backend, self.device, max(layout.active, 1), layout.active_k,
-            hq=hq, hkv=hkv, head_dim=d, causal=causal,
+            hq=hq, hkv=hkv, head_dim=d, causal=causal, pairs=layout.pairs,
         )
         self.last_backend = backend
         # a wrapper per variant too: a model alternating windowed and full layers plans

@@ -81,3 +81,22 @@ def test_padded_layouts_are_judged_by_their_active_segments(monkeypatch):
     with rt.step(q_lens, k_lens) as step:
         step.attention(q, k, k, cu(q_lens), cu(k_lens), False, 0.3)
     assert seen == [(2, 700)]
+
+
+def test_fa3_runs_only_where_its_saving_pays_for_its_plan(sm90):
+    """fa3's plan costs more host time than fa2's, once per forward: a layout whose
+    calls are too small to win that back over a forward's layers runs fa2, even
+    where fa3's kernel is the faster one (BERT-base on 16 rows of 256..512 tokens)."""
+    dev = torch.device("cuda", 0)
+    lens = [256 + 16 * i for i in range(16)]
+    small = dict(hq=12, hkv=12, head_dim=64, causal=False)
+    n, total = len(lens), sum(lens)
+    assert select.predicted_fa3_over_fa2(total / n, 12, 12, 64, False) < select._FA3_MARGIN  # fa3's kernel wins
+    assert select.flashinfer_backend("auto", dev, n, total, **small) == "fa3"  # judged on the kernel alone
+    assert select.flashinfer_backend("auto", dev, n, total, pairs=sum(x * x for x in lens), **small) == "fa2"
+    # a long layout's calls win the plan back many times over
+    big = [4096] * 8
+    assert select.flashinfer_backend("auto", dev, 8, sum(big), pairs=sum(x * x for x in big), **small) == "fa3"
+    # and a layout fa3 loses on stays on fa2 whatever its size
+    tiny = [17] * 2000
+    assert select.flashinfer_backend("auto", dev, 2000, sum(tiny), pairs=sum(x * x for x in tiny), **small) == "fa2"

@@ -455,3 +455,81 @@ def test_windows_run_flashattention2_with_the_steps_host_lengths(monkeypatch, fa
     assert seen == [(30, 30, 4, 2)] * 3
     assert rt.stats["plans"] == 0 and rt.stats["syncs"] == 1 and rt.stats["fa2"] == 3
     torch.testing.assert_close(out, rc.reference_attention(q, k, v, cu, cu, False, 0.3, window_size=(4, 2)))
+
+
+# -- the fast path of a forward's later layers (steps.fast_attention) -----------------------
+
+
+def test_fast_path_repeats_only_the_call_it_resolved(fake_flashinfer):
+    """After a layer's call, the next call with the very same offsets (unmodified),
+    shapes, dtype, causality and scale runs that call's plan directly; anything
+    else falls back to the full path (None), which then plans what is new."""
+    from ragged_compile.steps import fast_attention
+
+    rt, call = fake_flashinfer
+    q, k, v = _qkv(60)
+    cu = _cu([10, 20, 30])
+    call(q, k, v, cu, cu)
+    q2, k2, v2 = _qkv(60, seed=1)
+    got = fast_attention(q2, k2, v2, cu, cu, True, 0.3)
+    torch.testing.assert_close(got, _want(q2, k2, v2, cu))
+    assert rt.stats["flashinfer"] == 2 and rt.stats["plans"] == 1
+    assert fast_attention(q, k, v, cu.clone(), cu, True, 0.3) is None  # equal values, another tensor
+    assert fast_attention(q, k, v, cu, cu, False, 0.3) is None
+    assert fast_attention(q, k, v, cu, cu, True, 0.5) is None
+    assert fast_attention(q.double(), k.double(), v.double(), cu, cu, True, 0.3) is None
+    assert fast_attention(q[:, :1], k[:, :1], v[:, :1], cu, cu, True, 0.3) is None
+    assert fast_attention(q, k, v[:, :, :4], cu, cu, True, 0.3) is None  # v unlike k
+    cu[1:].copy_(_cu([30, 20, 10])[1:])  # in place, equal totals
+    assert fast_attention(q, k, v, cu, cu, True, 0.3) is None
+    torch.testing.assert_close(call(q, k, v, cu, cu), _want(q, k, v, cu))  # re-planned
+    torch.testing.assert_close(fast_attention(q2, k2, v2, cu, cu, True, 0.3), _want(q2, k2, v2, cu))
+    assert rt.stats["plans"] == 2
+
+
+def test_fast_path_ends_with_its_step_and_its_thread(fake_flashinfer):
+    from ragged_compile.steps import fast_attention
+
+    rt, call = fake_flashinfer
+    q, k, v = _qkv(60)
+    cu = _cu([10, 20, 30])
+    with rt.step():
+        call(q, k, v, cu, cu)
+        assert fast_attention(q, k, v, cu, cu, True, 0.3) is not None
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(fast_attention(q, k, v, cu, cu, True, 0.3)))
+        t.start()
+        t.join()
+        assert seen == [None]  # another thread: its own steps
+    assert fast_attention(q, k, v, cu, cu, True, 0.3) is None  # the step ended: its wrappers are back
+    with rt.step():
+        assert fast_attention(q, k, v, cu, cu, True, 0.3) is None  # a new step plans for itself
+    # the implicit step: valid while it is this thread's, and not once it is replaced
+    call(q, k, v, cu, cu)
+    assert fast_attention(q, k, v, cu, cu, True, 0.3) is not None
+    rt._release(rt._local.implicit)
+    rt._local.implicit = None
+    assert fast_attention(q, k, v, cu, cu, True, 0.3) is None
+
+
+def test_fast_path_keeps_no_offsets_alive_and_never_mistakes_new_ones(fake_flashinfer):
+    from ragged_compile.steps import fast_attention
+
+    rt, call = fake_flashinfer
+    q, k, v = _qkv(60)
+    cu = _cu([10, 20, 30])
+    call(q, k, v, cu, cu)
+    ref = __import__("weakref").ref(cu)
+    step = rt._local.implicit
+    old_id = id(cu)
+    del cu
+    gc.collect()
+    assert ref() is None  # the resolution held it weakly
+    for lens in ([30, 20, 10], [1, 1, 58], [10, 20, 30]):
+        new = _cu(lens)
+        if id(new) == old_id:  # CPython may give the new tensor the old id: still a miss
+            assert fast_attention(q, k, v, new, new, True, 0.3) is None
+        out = call(q, k, v, new, new)
+        torch.testing.assert_close(out, _want(q, k, v, new))
+        torch.testing.assert_close(fast_attention(q, k, v, new, new, True, 0.3), _want(q, k, v, new))
+    assert step is not None

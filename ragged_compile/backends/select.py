@@ -235,6 +235,15 @@ _FA3_OVER_FA2 = {
     (128, 8, True): [(17, 4.61), (36, 2.55), (63, 1.51), (133, 1.17), (320, 0.93), (645, 0.76), (1066, 0.63), (2282, 0.53), (4382, 0.5), (8192, 0.49), (32768, 0.49)],
 }
 _FA3_MARGIN = 0.98
+# fa3's plan costs more host time than fa2's, once per forward: ~0.4 ms plus ~2 us
+# per segment more (sweep_backends.json: plan_fa3_ms against plan_fa2_ms). Where
+# the host decides a forward's time (small batches) the plan is on its critical
+# path, so fa3 must save that much over a forward's layers (a dozen, say).
+_FA3_EXTRA_PLAN_S = (4e-4, 2e-6)
+_LAYERS_PER_PLAN = 12
+# fa2's useful throughput on large layouts on the H200 (~370 TFLOP/s at head dim
+# 128, sweep_backends.json): an upper bound, so a call's time is never overestimated.
+_FA2_FLOPS = 370e12
 
 
 def _interp_log(points: list[tuple[float, float]], x: float) -> float:
@@ -281,6 +290,7 @@ def flashinfer_backend(
     hkv: int = 1,
     head_dim: int = 128,
     causal: bool = False,
+    pairs: int | None = None,
 ) -> str:
     """Resolve ``"auto"`` to ``"fa2"`` or ``"fa3"`` for one layout; pass others through.
 
@@ -288,13 +298,23 @@ def flashinfer_backend(
     is predicted at least 2% faster than fa2 (long segments; short causal
     segments with one k/v head per query head), fa2 elsewhere (short
     segments, above all with GQA, where fa2 packs a group's heads into rows).
+    ``pairs`` (the layout's query-key pairs per head, ``sum(Lq * Lk)``) bounds
+    what fa3 can save per call; fa2 runs where that does not pay for fa3's
+    costlier plan (``_FA3_EXTRA_PLAN_S``) over a forward's layers.
     """
     if requested != "auto":
         return requested
     if not _is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
         return "fa2"
     ratio = predicted_fa3_over_fa2(total_k / max(n, 1), hq, hkv, head_dim, causal)
-    return "fa3" if ratio < _FA3_MARGIN else "fa2"
+    if ratio >= _FA3_MARGIN:
+        return "fa2"
+    if pairs is not None:
+        fa2_s = 4 * pairs * hq * head_dim / _FA2_FLOPS / (2 if causal else 1)
+        base, per_segment = _FA3_EXTRA_PLAN_S
+        if (1 - ratio) * fa2_s * _LAYERS_PER_PLAN < base + per_segment * n:
+            return "fa2"
+    return "fa3"
 
 
 # -- training -----------------------------------------------------------------------

@@ -461,20 +461,22 @@ def _is_padding(valid_k: torch.Tensor, sq: int, causal: bool):
 
 def _read_padded_layout(valid_k: torch.Tensor, sq: int, causal: bool) -> _Segments:
     """Eager: the padded layout of a 2-D mask, checked, with one host read per forward
-    (the runs and the check, together), so that the check and the runtime's planning
-    read nothing else back. A mask that is not padding gives a non-ragged result."""
-    start, n, ok = _is_padding(valid_k, sq, causal)
-    host = torch.cat([ok.view(1).to(start.dtype), start, n]).to("cpu")
-    if not bool(host[0]):
+    (the mask itself), so that the check and the runtime's planning read nothing else
+    back. The runs, the check and the offsets are host work on that copy; the device
+    offsets arrive in one copy, not as a dozen small kernels (the host decides a small
+    batch's time). A mask that is not padding gives a non-ragged result."""
+    host = valid_k.to("cpu")
+    start, n, ok = _is_padding(host, sq, causal)
+    if not bool(ok):
         return _Segments(None, None, ragged=False)
-    b = start.shape[0]
-    sk = valid_k.shape[-1]
-    seg = _layout_of_runs(start, n, sq, sk, causal)
-    if valid_k.is_cuda:
-        on_host = _layout_of_runs(host[1 : 1 + b], host[1 + b :], sq, sk, causal)
-        seg.host_q, seg.host_k = on_host.cu_q, on_host.cu_k
-        seg.tell_runtime()
-    return seg
+    seg = _layout_of_runs(start, n, sq, valid_k.shape[-1], causal)
+    if not valid_k.is_cuda:
+        return seg
+    both = torch.cat([seg.cu_q, seg.cu_k]).pin_memory().to(valid_k.device, non_blocking=True)
+    m = seg.cu_q.shape[0]
+    on_device = _Segments(both[:m], both[m:], host_q=seg.cu_q, host_k=seg.cu_k)
+    on_device.tell_runtime()
+    return on_device
 
 
 def _assert_padded(valid_k: torch.Tensor, sq: int, causal: bool) -> None:

@@ -154,6 +154,56 @@ def _sync_stacks(fn, dev, keep=4) -> dict:
     return {"count": n, "messages": sorted({str(w.message)[:160] for w in log})[:4], "stacks": stacks}
 
 
+def _host_split(fn, dev, names, reps=30) -> dict:
+    """Host us per forward (the GPU idle at each start, so no wait is counted) in the
+    attention function of each name in ``names`` (its first call of the forward, the
+    others together) and in its mask function, and the whole forward's."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    acc = {"forward": 0.0, "attention_first": 0.0, "attention_rest": 0.0, "mask": 0.0}
+    calls = [0]
+    saved = {}
+
+    def timed_attention(inner):
+        def f(*a, **k):
+            t = time.perf_counter()
+            out = inner(*a, **k)
+            acc["attention_first" if calls[0] == 0 else "attention_rest"] += time.perf_counter() - t
+            calls[0] += 1
+            return out
+        return f
+
+    def timed_mask(inner):
+        def f(*a, **k):
+            t = time.perf_counter()
+            out = inner(*a, **k)
+            acc["mask"] += time.perf_counter() - t
+            return out
+        return f
+
+    for name in names:
+        saved[name] = (ALL_ATTENTION_FUNCTIONS._global_mapping[name], ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[name])
+        ALL_ATTENTION_FUNCTIONS._global_mapping[name] = timed_attention(saved[name][0])
+        ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[name] = timed_mask(saved[name][1])
+    try:
+        fn()
+        for key in acc:
+            acc[key] = 0.0
+        for _ in range(reps):
+            torch.cuda.synchronize(dev)
+            calls[0] = 0
+            t = time.perf_counter()
+            fn()
+            acc["forward"] += time.perf_counter() - t
+        torch.cuda.synchronize(dev)
+    finally:
+        for name, (att, mask) in saved.items():
+            ALL_ATTENTION_FUNCTIONS._global_mapping[name] = att
+            ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[name] = mask
+    return {k: round(v / reps * 1e6, 1) for k, v in acc.items()}
+
+
 def forward_rows(dev, dtype, shapes) -> list[dict]:
     from ragged_compile import hf
 
@@ -169,7 +219,6 @@ def forward_rows(dev, dtype, shapes) -> list[dict]:
             "sdpa": lambda: sdpa(input_ids=ids, attention_mask=mask).last_hidden_state,
             "ours": lambda: ours(input_ids=ids, attention_mask=mask).last_hidden_state,
             "hand_packed": lambda: ours(**packed).last_hidden_state,
-            "ours_host_mask": lambda: ours(input_ids=ids, attention_mask=mask.cpu()).last_hidden_state,
         }
         row = {"batch": b, "length": s}
         with torch.no_grad():
@@ -179,12 +228,13 @@ def forward_rows(dev, dtype, shapes) -> list[dict]:
                     host, prof = _issue_while_gpu_sleeps(fn, dev)
                     row[key] = {
                         "wall_ms": round(t["wall_ms"], 3), "event_ms": round(t["ms"], 3),
+                        "host_us": _host_split(fn, dev, ("sdpa", name)),
                         "issue_ms_gpu_asleep": host, "issue_profile": prof,
                         "syncs": _sync_stacks(fn, dev), "runtime_calls": _runtime_calls(fn),
                     }
                 except Exception as err:  # noqa: BLE001
                     row[key] = {"error": repr(err)[:400]}
-                print(key, b, s, {k: v for k, v in row[key].items() if k not in ("issue_profile", "runtime_calls")},
+                print(key, b, s, {k: v for k, v in row[key].items() if k not in ("issue_profile", "runtime_calls", "syncs")},
                       flush=True)
         out.append(row)
     return out

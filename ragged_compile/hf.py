@@ -47,6 +47,7 @@ import sys
 import threading
 import weakref
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -459,17 +460,31 @@ def _is_padding(valid_k: torch.Tensor, sq: int, causal: bool):
     return start, n, ok
 
 
+def _host_runs(valid_k: np.ndarray, sq: int, causal: bool):
+    """:func:`_is_padding` of a host copy of the mask, in numpy (torch's CPU ops cost
+    microseconds each on arrays this small): ``(start, count)`` int64 tensors, or
+    None where the mask is not padding."""
+    n = valid_k.sum(-1)
+    start = np.where(n > 0, valid_k.argmax(-1), 0)
+    end = start + n
+    idx = np.arange(valid_k.shape[-1])
+    if not (((idx >= start[:, None]) & (idx < end[:, None])) == valid_k).all():
+        return None
+    if causal and sq != valid_k.shape[-1] and not (end == valid_k.shape[-1]).all():
+        return None  # padding after the keys while decoding
+    return torch.from_numpy(start.astype(np.int64)), torch.from_numpy(n.astype(np.int64))
+
+
 def _read_padded_layout(valid_k: torch.Tensor, sq: int, causal: bool) -> _Segments:
     """Eager: the padded layout of a 2-D mask, checked, with one host read per forward
     (the mask itself), so that the check and the runtime's planning read nothing else
     back. The runs, the check and the offsets are host work on that copy; the device
     offsets arrive in one copy, not as a dozen small kernels (the host decides a small
     batch's time). A mask that is not padding gives a non-ragged result."""
-    host = valid_k.to("cpu")
-    start, n, ok = _is_padding(host, sq, causal)
-    if not bool(ok):
+    runs = _host_runs(valid_k.to("cpu").numpy(), sq, causal)
+    if runs is None:
         return _Segments(None, None, ragged=False)
-    seg = _layout_of_runs(start, n, sq, valid_k.shape[-1], causal)
+    seg = _layout_of_runs(*runs, sq, valid_k.shape[-1], causal)
     if not valid_k.is_cuda:
         return seg
     both = torch.cat([seg.cu_q, seg.cu_k]).pin_memory().to(valid_k.device, non_blocking=True)

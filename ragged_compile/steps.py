@@ -44,6 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from .backends import flash_backward, select
@@ -203,17 +204,19 @@ class HostLayout:
     id: int = field(default_factory=lambda: next(_ids))
 
     def __post_init__(self):
-        self.n = self.cu_q.numel() - 1
-        self.total_q = int(self.cu_q[-1])
-        self.total_k = int(self.cu_k[-1])
-        lens_q, lens_k = self.cu_q[1:] - self.cu_q[:-1], self.cu_k[1:] - self.cu_k[:-1]
+        # numpy on the host copies: a forward's first layer pays for this, and torch's
+        # CPU ops cost microseconds each on tensors this small
+        cu_q, cu_k = self.cu_q.numpy().astype(np.int64), self.cu_k.numpy().astype(np.int64)
+        self.n = cu_q.shape[0] - 1
+        self.total_q, self.total_k = int(cu_q[-1]), int(cu_k[-1])
+        lens_q, lens_k = np.diff(cu_q), np.diff(cu_k)
         # the training backward's grid sizes, read here so it never syncs
-        self.max_lens = tuple(int(lens.max()) if self.n else 0 for lens in (lens_q, lens_k))
+        self.max_lens = (int(lens_q.max()), int(lens_k.max())) if self.n else (0, 0)
         # segments with work on both sides: padded layouts carry empty ones that the
         # kernel choice, fitted on layouts without them, must not count
         active = (lens_q > 0) & (lens_k > 0)
         self.active, self.active_k = int(active.sum()), int(lens_k[active].sum())
-        self.pairs = int((lens_q.long() * lens_k.long()).sum())  # query-key pairs per head: the work
+        self.pairs = int((lens_q * lens_k).sum())  # query-key pairs per head: the work
         self._device_cu: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._fa2_cu: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # see fa2_offsets
 

@@ -18,6 +18,7 @@ import math
 import numbers
 import operator
 
+import numpy as np
 import torch
 
 from . import config
@@ -204,27 +205,29 @@ def check_cu_seqlens_values(
     cu = cu.to("cpu", torch.int64)
     if _tracing():  # the op's kernel checks the offsets (see _tracing); max_seqlen never changes the result
         return cu[1:] - cu[:-1]
-    if cu.numel() and int(cu[0]) != 0:
-        raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}; offsets start at the first token")
-    lens = cu[1:] - cu[:-1]
-    if lens.numel() and bool((lens < 0).any()):
-        i = int(torch.nonzero(lens < 0)[0, 0])
+    # numpy: the planner checks every new layout, and torch's CPU ops cost microseconds each
+    a = cu.numpy()
+    if a.shape[0] and a[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {int(a[0])}; offsets start at the first token")
+    lens = np.diff(a)
+    if lens.shape[0] and (lens < 0).any():
+        i = int(np.flatnonzero(lens < 0)[0])
         raise ValueError(
-            f"{name} must be non-decreasing, but {name}[{i + 1}]={int(cu[i + 1])} < "
-            f"{name}[{i}]={int(cu[i])}; offsets are the running sum of segment lengths"
+            f"{name} must be non-decreasing, but {name}[{i + 1}]={int(a[i + 1])} < "
+            f"{name}[{i}]={int(a[i])}; offsets are the running sum of segment lengths"
         )
-    if int(cu[-1]) != total:
+    if int(a[-1]) != total:
         tensor = "q" if name.endswith("_q") else "k/v"
         raise ValueError(
-            f"{name}[-1] is {int(cu[-1])} but {tensor} holds {total} tokens; the last offset "
+            f"{name}[-1] is {int(a[-1])} but {tensor} holds {total} tokens; the last offset "
             f"must equal the number of packed tokens"
         )
-    if max_seqlen is not None and lens.numel() and int(lens.max()) > max_seqlen:
+    if max_seqlen is not None and lens.shape[0] and int(lens.max()) > max_seqlen:
         raise ValueError(
             f"a segment of {name} has {int(lens.max())} tokens, more than "
             f"{arg}={max_seqlen}; pass the true maximum or None"
         )
-    return lens
+    return torch.from_numpy(lens)
 
 
 def check_values(q, k, cu_seqlens_q, cu_seqlens_k) -> tuple[torch.Tensor, torch.Tensor]:

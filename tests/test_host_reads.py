@@ -71,7 +71,9 @@ def test_padded_forward_reads_the_host_once(kind, left, full):
         model(input_ids=ids, attention_mask=mask, **kw)  # warm: lazy imports, caches
         with HostReads() as reads:
             model(input_ids=ids, attention_mask=mask, **kw)
-    assert reads.n == 1, f"{reads.n} host reads in one forward of {kind}"
+    # The mask's one read is a copy to the host (a no-op for a CPU mask) that numpy
+    # then reads, which the mode does not see: what it counts are reads made per layer.
+    assert reads.n <= 1, f"{reads.n} host reads in one forward of {kind}"
 
 
 def test_runtime_plans_from_offsets_it_was_told(monkeypatch):

@@ -194,7 +194,7 @@ def run_with_lse(wrapper, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
 # -- replaying run()'s kernel call ---------------------------------------------------------
 #
 # Much of ``wrapper.run``'s host time (Python's profiler of an H200 host's calls:
-# bench/results/host-op.json) goes to Python that only depends on the plan:
+# bench/results/host.json) goes to Python that only depends on the plan:
 # checks, argument defaults, the argument list of the JIT module's ``ragged_run``. Every layer of a forward runs the same plan, so the
 # first run after a plan records that argument list, and later runs of the same
 # plan call ``ragged_run`` with it, only the tensors of the call swapped in.

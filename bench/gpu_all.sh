@@ -77,6 +77,7 @@ profile() {
   step profile-train python3 bench/profile/profile_train.py --out "$OUT"
   step profile-cudagraph python3 bench/profile/profile_cudagraph.py --out "$OUT"
   step profile-hf python3 bench/profile/profile_hf.py --out "$OUT"
+  step profile-host python3 bench/profile/profile_host.py --out "$OUT"
 }
 
 for phase in "${@:-tests bench}"; do

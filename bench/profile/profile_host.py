@@ -245,6 +245,9 @@ def main() -> None:
     p.add_argument("--out", default="bench/results")
     p.add_argument("--only", default="op,forward")
     a = p.parse_args()
+    if not torch.cuda.is_available():
+        print("profile_host.py measures CUDA calls: no CUDA device here")
+        return
     dev = torch.device("cuda")
     dtype = torch.bfloat16
     res = {"environment": environment(), "dlpack": _dlpack_env()}

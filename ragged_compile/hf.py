@@ -409,7 +409,9 @@ class _Segments:
                 rt.know_offsets(self.cu_k, self.host_k)
 
 
-def _cu(lengths: torch.Tensor) -> torch.Tensor:
+def _cu(lengths) -> torch.Tensor:
+    if isinstance(lengths, np.ndarray):  # host work (see _host_runs)
+        return torch.from_numpy(np.concatenate(([0], np.cumsum(lengths.ravel()))).astype(np.int32))
     return F.pad(torch.cumsum(lengths.flatten(), 0, dtype=torch.int32), (1, 0))
 
 
@@ -432,17 +434,18 @@ def _padded_layout(valid_k: torch.Tensor, sq: int, causal: bool) -> _Segments:
     return _layout_of_runs(start, n, sq, valid_k.shape[-1], causal)
 
 
-def _layout_of_runs(start: torch.Tensor, n: torch.Tensor, sq: int, sk: int, causal: bool) -> _Segments:
-    """:func:`_padded_layout` from each row's run (start, count): on the device, or on
-    host copies of the same runs, which give the same offsets."""
+def _layout_of_runs(start, n, sq: int, sk: int, causal: bool) -> _Segments:
+    """:func:`_padded_layout` from each row's run (start, count): tensors on the device,
+    or numpy arrays of the same runs on the host, which give the same offsets."""
+    xp = np if isinstance(n, np.ndarray) else torch
     end = start + n
-    zero = torch.zeros_like(n)
+    zero = xp.zeros_like(n)
     if causal and sq == sk:
-        lq = torch.stack([start, zero, n, sq - end, zero], 1)
-        lk = torch.stack([zero, start, n, zero, sk - end], 1)
+        lq = xp.stack([start, zero, n, sq - end, zero], 1)
+        lk = xp.stack([zero, start, n, zero, sk - end], 1)
     else:
-        lq = torch.stack([zero, torch.full_like(n, sq), zero], 1)
-        lk = torch.stack([start, n, sk - end], 1)
+        lq = xp.stack([zero, xp.full_like(n, sq), zero], 1)
+        lk = xp.stack([start, n, sk - end], 1)
     return _Segments(_cu(lq), _cu(lk))
 
 
@@ -462,7 +465,7 @@ def _is_padding(valid_k: torch.Tensor, sq: int, causal: bool):
 
 def _host_runs(valid_k: np.ndarray, sq: int, causal: bool):
     """:func:`_is_padding` of a host copy of the mask, in numpy (torch's CPU ops cost
-    microseconds each on arrays this small): ``(start, count)`` int64 tensors, or
+    microseconds each on arrays this small): ``(start, count)`` int64 arrays, or
     None where the mask is not padding."""
     n = valid_k.sum(-1)
     start = np.where(n > 0, valid_k.argmax(-1), 0)
@@ -472,7 +475,7 @@ def _host_runs(valid_k: np.ndarray, sq: int, causal: bool):
         return None
     if causal and sq != valid_k.shape[-1] and not (end == valid_k.shape[-1]).all():
         return None  # padding after the keys while decoding
-    return torch.from_numpy(start.astype(np.int64)), torch.from_numpy(n.astype(np.int64))
+    return start.astype(np.int64), n.astype(np.int64)
 
 
 def _read_padded_layout(valid_k: torch.Tensor, sq: int, causal: bool) -> _Segments:

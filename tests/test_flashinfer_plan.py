@@ -148,3 +148,28 @@ def test_a_kernel_call_with_keywords_is_run_not_replayed(monkeypatch):
         q, k, v = _qkv(seed)
         torch.testing.assert_close(fi.run(w, q, k, v), _expected(q, k, v, 2.0, 0.5)[0], rtol=0, atol=0)
     assert w.runs == 3
+
+
+def test_replay_runs_only_the_recorded_call_of_the_current_plan(monkeypatch):
+    """``fi.replay`` (the direct path of a forward's later layers): the recorded kernel
+    call of the plan in force, for a call that needs nothing adapted; None before a
+    recording, after a re-plan, for an LSE recording, a padded head dim or a
+    non-contiguous q, where ``run`` must do it."""
+    monkeypatch.setattr(fi, "_pdl", lambda index: False)
+    w = _Wrapper()
+    w.plan(2.0, 0.5)
+    q, k, v = _qkv(0)
+    assert fi.replay(w, q, k, v) is None  # nothing recorded yet
+    fi.run(w, q, k, v)
+    for seed in range(1, 4):
+        q, k, v = _qkv(seed)
+        torch.testing.assert_close(fi.replay(w, q, k, v), _expected(q, k, v, 2.0, 0.5)[0], rtol=0, atol=0)
+    assert (w.runs, w._cached_module.calls) == (1, 4)
+    qt = q.transpose(0, 1).contiguous().transpose(0, 1)  # same values, not contiguous
+    assert fi.replay(w, qt, k, v) is None
+    assert fi.replay(w, q[..., :32], k[..., :32], v[..., :32]) is None  # another head dim than recorded
+    assert fi.replay(w, q.double(), k.double(), v.double()) is None
+    w.plan(3.0, 0.25)
+    assert fi.replay(w, q, k, v) is None  # re-planned: the recording is stale
+    fi.run_with_lse(w, q, k, v)
+    assert fi.replay(w, q, k, v) is None  # an LSE recording

@@ -241,27 +241,30 @@ def replay(wrapper, q, k, v) -> torch.Tensor | None:
         or k.stride(-1) != 1 or v.stride(-1) != 1
     ):
         return None
-    args = list(rec.args)
     out = torch.empty_like(q)
-    slot_q, slot_k, slot_v, slot_out = rec.slots
-    args[slot_q], args[slot_k], args[slot_v], args[slot_out] = q, k, v, out
-    rec.fn(*args)
+    _call(rec, (q, k, v, out))
     return out
+
+
+def _call(rec: _Replay, tensors: tuple) -> None:
+    """The recorded kernel call with this call's q, k, v, out (and lse) in their places."""
+    args = list(rec.args)
+    for i, t in zip(rec.slots, tensors):
+        args[i] = t
+    rec.fn(*args)
 
 
 def _replayed_run(wrapper, q, k, v, return_lse: bool):
     rec = getattr(wrapper, _REPLAY, None)
     plan_info = getattr(wrapper, "_plan_info", None)
     if rec is not None and rec.plan_info is plan_info and rec.lse == return_lse and plan_info is not None:
-        args = list(rec.args)
         out = torch.empty(q.shape[:-1] + (rec.out_dim,), dtype=rec.out_dtype, device=q.device)
-        new = [q, k, v, out]
-        if return_lse:
-            new.append(torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device))
-        for i, t in zip(rec.slots, new):
-            args[i] = t
-        rec.fn(*args)
-        return (out, new[4]) if return_lse else out
+        if not return_lse:
+            _call(rec, (q, k, v, out))
+            return out
+        lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
+        _call(rec, (q, k, v, out, lse))
+        return out, lse
     module = getattr(wrapper, "_cached_module", None)
     if module is None or plan_info is None or not hasattr(module, "ragged_run"):
         return wrapper.run(q, k, v, return_lse=return_lse, enable_pdl=_pdl(q.device.index))

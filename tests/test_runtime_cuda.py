@@ -306,7 +306,7 @@ def test_ragged_compile_plans_once_and_reads_offsets_once_per_forward():
 
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
 @pytest.mark.parametrize("implicit", [False, True])
-def test_later_layers_run_the_first_layers_plan_directly_and_match(backend, implicit):
+def test_later_layers_run_the_first_layers_plan_directly_and_match(monkeypatch, backend, implicit):
     """The layers of an eager forward after its first take ``steps.fast_attention``
     (the first layer's resolved plan, FlashInfer's recorded kernel call); each one's
     output matches the reference, an in-place edit of the offsets re-plans, and a
@@ -320,36 +320,30 @@ def test_later_layers_run_the_first_layers_plan_directly_and_match(backend, impl
     lens = [64, 1, 0, 300, 17, 100]
     rt = rc.Runtime(backend=backend)
     hits = []
-    real = steps.fast_attention
 
     def spy(*a):
-        out = real(*a)
+        out = steps.fast_attention(*a)
         hits.append(out is not None)
         return out
 
-    steps_fast, rc.ops.fast_attention = rc.ops.fast_attention, spy
-    try:
-        with torch.no_grad(), (contextlib.nullcontext() if implicit else rt.step()):
-            if implicit:
-                rc.runtime._runtimes[torch.device("cuda", torch.cuda.current_device())] = rt
-            for d, causal in ((64, False), (64, True), (128, False), (72, False)):
-                for layer in range(4):
-                    q, k, v, cu, _ = _case(lens, lens, 8, 2, d, seed=layer)
-                    cu = _cu(lens) if layer == 0 else cu_keep
-                    cu_keep = cu
-                    out = rc.ragged_attention(q, k, v, cu, causal=causal)
-                    _check(out, q, k, v, cu, cu, causal)
-            # an in-place edit: the next call re-plans, and the layer after it is fast again
-            cu_keep[1:].copy_(_cu([1, 64, 300, 0, 100, 17])[1:])
-            for layer in range(2):
-                q, k, v, _, _ = _case(lens, lens, 8, 2, 64, seed=9 + layer)
-                _check(rc.ragged_attention(q, k, v, cu_keep), q, k, v, cu_keep, cu_keep, False)
-            q, k, v, _, _ = _case(lens, lens, 8, 2, 64, seed=11)
-            qt = q.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, not contiguous
-            _check(rc.ragged_attention(qt, k, v, cu_keep), q, k, v, cu_keep, cu_keep, False)
-    finally:
-        rc.ops.fast_attention = steps_fast
-        rc.runtime._runtimes.pop(torch.device("cuda", torch.cuda.current_device()), None)
+    monkeypatch.setattr(rc.ops, "fast_attention", spy)
+    if implicit:  # the calls run in the default runtime's implicit step
+        monkeypatch.setitem(rc.runtime._runtimes, torch.device("cuda", torch.cuda.current_device()), rt)
+    with torch.no_grad(), (contextlib.nullcontext() if implicit else rt.step()):
+        for d, causal in ((64, False), (64, True), (128, False), (72, False)):
+            cu = _cu(lens)  # a new offsets tensor per (head dim, causality): its first call plans
+            for layer in range(4):
+                q, k, v, _, _ = _case(lens, lens, 8, 2, d, seed=layer)
+                out = rc.ragged_attention(q, k, v, cu, causal=causal)
+                _check(out, q, k, v, cu, cu, causal)
+        # an in-place edit: the next call re-plans, and the layer after it is fast again
+        cu[1:].copy_(_cu([1, 64, 300, 0, 100, 17])[1:])
+        for layer in range(2):
+            q, k, v, _, _ = _case(lens, lens, 8, 2, 64, seed=9 + layer)
+            _check(rc.ragged_attention(q, k, v, cu), q, k, v, cu, cu, False)
+        q, k, v, _, _ = _case(lens, lens, 8, 2, 64, seed=11)
+        qt = q.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, not contiguous
+        _check(rc.ragged_attention(qt, k, v, cu), q, k, v, cu, cu, False)
     # 4 layers x 3 FlashInfer head dims: 3 fast each; 72 pads (never fast); the edit's second call
     assert sum(hits) == 3 * 3 + 1, hits
     assert hits[-1] is False  # the non-contiguous q

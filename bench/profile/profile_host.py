@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_host import SyncCount, _bert, _packed, _padded_batch, per_call_us  # noqa: E402
+from bench_host import _bert, _packed, _padded_batch, per_call_us  # noqa: E402
 from env import environment  # noqa: E402
 from profile_hf import _hand_packed, _runtime_calls  # noqa: E402
 from timing import time_fn  # noqa: E402
@@ -37,7 +37,6 @@ from timing import time_fn  # noqa: E402
 import ragged_compile as rc  # noqa: E402
 from ragged_compile import ops  # noqa: E402
 from ragged_compile.backends import flashinfer as fi  # noqa: E402
-from ragged_compile.steps import current_step  # noqa: E402
 
 
 def _dlpack_env() -> dict:
@@ -51,7 +50,7 @@ def _dlpack_env() -> dict:
     for name in ("__c_dlpack_exchange_api__", "__dlpack_c_exchange_api__"):
         out[name] = hasattr(torch.Tensor, name)
     try:
-        import torch_c_dlpack_ext  # noqa: F401
+        import torch_c_dlpack_ext  # noqa: F401  (only whether it imports)
 
         out["torch_c_dlpack_ext"] = True
     except Exception as err:  # noqa: BLE001

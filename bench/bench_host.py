@@ -5,7 +5,9 @@ Rows (``--only`` picks sections):
 
 * ``op``: microseconds per attention call, eager, back to back, on a batch small
   enough that the host decides the time: ``rc.ragged_attention`` inside a runtime
-  step with the layout planned (inference and forward+backward), the same call
+  step with the layout planned (inference and forward+backward; the kernel
+  ``auto`` picks, and each CUDA forward forced: FlashInfer's fa2, which plans,
+  and PyTorch's FlashAttention-2, which does not), the same call
   through the dispatcher (``torch.ops.ragged_compile.ragged_attention``), dense
   ``F.scaled_dot_product_attention`` on the padded batch, ``varlen_attn`` where
   torch has it, FlashInfer's ``wrapper.run`` alone and the same plan through our
@@ -14,8 +16,9 @@ Rows (``--only`` picks sections):
 * ``hf``: BERT-base (12 layers, 768 hidden, 12 heads) and BERT-large (24, 1024,
   16) encoders, random weights, bf16, padded batches of random lengths L/2..L
   (~75% real tokens) and, for unpadding, 1..L (~50%):
-  ``"sdpa"`` against ``hf.register()`` and against ``hf.unpad`` (the whole model
-  packed), forward ms and device-to-host syncs per forward.
+  ``"sdpa"`` against ``hf.register()`` (with the kernel ``auto`` picked, and
+  with FlashInfer forced) and against ``hf.unpad`` (the whole model packed),
+  forward ms and device-to-host syncs per forward.
 * ``train``: training steps (forward, backward, AdamW; attention dropout 0) of
   BERT-base 64 x 256 and BERT-large 32 x 512, ~50% padding: ``"sdpa"`` (cuDNN's
   fused attention on Hopper) against ours, padded and unpadded, ms and syncs per step.
@@ -53,6 +56,7 @@ from harness import model_cli  # noqa: E402
 from timing import interleaved, mean_ms, median, sync as _sync, time_fn  # noqa: E402
 
 import ragged_compile as rc  # noqa: E402
+from ragged_compile.runtime import get_runtime  # noqa: E402
 
 
 def per_call_us(fn, dev, reps: int) -> float:
@@ -108,12 +112,20 @@ def op_rows(dev, dtype, lens, heads, d, reps) -> dict:
     rt = rc.Runtime(dev) if dev.type == "cuda" else None
     with torch.no_grad():
         if rt is not None:
-            with rt.step(lens):
-                rows["ours"] = per_call_us(lambda: rc.ragged_attention(q, k, v, cu), dev, reps)
-                rows["ours_dispatcher"] = per_call_us(
-                    lambda: torch.ops.ragged_compile.ragged_attention(q, k, v, cu, cu, False, d**-0.5), dev, reps
-                )
-                rows["plans"] = rt.stats["plans"]
+            # "ours": the default runtime's choice for this layout ("varlen" here: see
+            # select.cuda_backend); then each CUDA forward forced, through the same path
+            for backend in ("auto", "fa2", "varlen"):
+                rt.backend = backend
+                with rt.step(lens):
+                    name = "ours" if backend == "auto" else f"ours_{backend}"
+                    rows[name] = per_call_us(lambda: rc.ragged_attention(q, k, v, cu), dev, reps)
+                    if backend == "auto":
+                        rows["ours_kernel"] = rt.last_backend
+                        rows["ours_dispatcher"] = per_call_us(
+                            lambda: torch.ops.ragged_compile.ragged_attention(q, k, v, cu, cu, False, d**-0.5), dev, reps
+                        )
+            rt.backend = "auto"
+            rows["plans"] = rt.stats["plans"]
         else:
             rows["ours"] = per_call_us(lambda: rc.ragged_attention(q, k, v, cu), dev, reps)
         b, s = len(lens), max(lens)
@@ -139,8 +151,11 @@ def op_rows(dev, dtype, lens, heads, d, reps) -> dict:
             out = rc.ragged_attention(qg, kg, vg, cu)
             torch.autograd.backward(out, go)
 
-        with rt.step(lens):
-            rows["ours_fwd_bwd"] = per_call_us(train, dev, reps // 2)
+        for backend in ("auto", "fa2"):
+            rt.backend = backend
+            with rt.step(lens):
+                rows["ours_fwd_bwd" if backend == "auto" else f"ours_{backend}_fwd_bwd"] = per_call_us(train, dev, reps // 2)
+        rt.backend = "auto"
         qgd = qd.clone().requires_grad_(True)
         god = torch.randn_like(qgd)
         rows["sdpa_dense_fwd_bwd"] = per_call_us(
@@ -257,6 +272,7 @@ def hf_rows(dev, dtype, shapes, layers, hidden, heads, target_s, label="bert-bas
     models["ours"].load_state_dict(models["sdpa"].state_dict())
     models["unpad"] = hf.unpad(_bert(dev, dtype, layers, hidden, heads, name))
     models["unpad"].load_state_dict(models["sdpa"].state_dict())
+    rt = get_runtime(dev) if dev.type == "cuda" else None
     for b, s in shapes:
         ids, mask, lens = _padded_batch(b, s, dev, low=low)
         row = {"model": label, "batch": b, "length": s, "real_tokens": int(lens.sum()), "padded_tokens": b * s}
@@ -269,6 +285,11 @@ def hf_rows(dev, dtype, shapes, layers, hidden, heads, target_s, label="bert-bas
                 with SyncCount(dev) as sc:
                     fwd()
                 row[impl] = {"syncs_per_forward": sc.n}
+                if rt is not None and impl != "sdpa":
+                    row[impl]["kernel"] = rt.last_backend
+            if rt is not None:  # ours with FlashInfer forced: what a plan per forward costs
+                fwds["ours_flashinfer"] = lambda m=models["ours"]: _on_backend(rt, "fa2", m, ids, mask)
+                row["ours_flashinfer"] = {"kernel": (fwds["ours_flashinfer"](), rt.last_backend)[1]}
             # in rotating rounds, so drift (clocks, a neighbour's load) hits all alike
             for impl, times in _rounds(fwds, dev, target_s).items():
                 row[impl].update(ms=median([t[0] for t in times]), wall_ms=median([t[1] for t in times]))
@@ -277,9 +298,20 @@ def hf_rows(dev, dtype, shapes, layers, hidden, heads, target_s, label="bert-bas
         )
         row["ours_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["ours"]["wall_ms"]
         row["unpad_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["unpad"]["wall_ms"]
+        if "ours_flashinfer" in row:
+            row["ours_flashinfer_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["ours_flashinfer"]["wall_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def _on_backend(rt, backend, model, ids, mask):
+    """A forward of ``model`` with the runtime's CUDA forward forced to ``backend``."""
+    before, rt.backend = rt.backend, backend
+    try:
+        return model(input_ids=ids, attention_mask=mask).last_hidden_state
+    finally:
+        rt.backend = before
 
 
 def _rounds(fns: dict, dev, target_s: float, rounds: int = 5) -> dict:
@@ -457,6 +489,8 @@ def _markdown(res: dict) -> str:
     if "op" in res:
         lines += ["## Microseconds per attention call (eager, host-bound batch)", "", "| path | us / call |", "|---|---|"]
         lines += [f"| {k} | {v:.1f} |" for k, v in res["op"].items() if isinstance(v, float)]
+        if "ours_kernel" in res["op"]:
+            lines += ["", f"`ours` ran `{res['op']['ours_kernel']}` (the runtime's `auto` choice for this layout)."]
         lines.append("")
     if "njt" in res:
         lines += ["## NJT SDPA, us per call", "", "| path | us / call |", "|---|---|"]
@@ -464,13 +498,14 @@ def _markdown(res: dict) -> str:
         lines.append("")
     if "hf" in res:
         lines += ["## BERT-style encoder forward, padded batches (lengths L/2..L, or 1..L where real tokens are ~50%)", "",
-                  "| model | batch x L | real tokens | sdpa ms | ours ms | ours unpadded ms | ours / sdpa | unpadded / sdpa | syncs / forward (sdpa, ours, unpadded) | max diff |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| model | batch x L | real tokens | sdpa ms | ours ms (kernel) | ours, FlashInfer forced, ms | ours unpadded ms | ours / sdpa | unpadded / sdpa | syncs / forward (sdpa, ours, unpadded) | max diff |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["hf"]:
+            fi_ms = f"{r['ours_flashinfer']['wall_ms']:.2f}" if "ours_flashinfer" in r else ""
             lines.append(
                 f"| {r['model']} | {r['batch']} x {r['length']} | {r['real_tokens'] / r['padded_tokens']:.0%} | "
-                f"{r['sdpa']['wall_ms']:.2f} | {r['ours']['wall_ms']:.2f} | {r['unpad']['wall_ms']:.2f} | "
-                f"{r['ours_over_sdpa_speed']:.2f}x | {r['unpad_over_sdpa_speed']:.2f}x | "
+                f"{r['sdpa']['wall_ms']:.2f} | {r['ours']['wall_ms']:.2f} ({r['ours'].get('kernel', '')}) | {fi_ms} | "
+                f"{r['unpad']['wall_ms']:.2f} | {r['ours_over_sdpa_speed']:.2f}x | {r['unpad_over_sdpa_speed']:.2f}x | "
                 f"{r['sdpa']['syncs_per_forward']}, {r['ours']['syncs_per_forward']}, {r['unpad']['syncs_per_forward']} | "
                 f"{r['max_diff_valid']:.1e} |"
             )

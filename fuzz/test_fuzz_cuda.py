@@ -50,7 +50,17 @@ EXAMPLES = [
 ]
 
 
-def test_cuda_matches_float32_reference():
+@pytest.mark.parametrize("backend", ["fa2", "fa3", "varlen"])
+def test_cuda_matches_float32_reference(backend, monkeypatch):
+    """Each CUDA forward the default runtime may pick (``auto`` picks among these per
+    layout), forced for every example."""
+    from ragged_compile.runtime import get_runtime
+
+    if backend == "fa3" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("fa3 needs SM90")
+    rt = get_runtime(torch.device("cuda", torch.cuda.current_device()))
+    monkeypatch.setattr(rt, "backend", backend)
+    before = rt.stats[backend if backend == "varlen" else "flashinfer"]
     ran = collections.Counter()
 
     @settings(
@@ -98,3 +108,4 @@ def test_cuda_matches_float32_reference():
     check()
     print(f"\nCUDA fuzz: ran {ran['examples']} examples ({dict(ran)})")
     assert ran["examples"] >= min(MAX_EXAMPLES, len(EXAMPLES))
+    assert rt.stats[backend if backend == "varlen" else "flashinfer"] - before >= ran["examples"] // 2

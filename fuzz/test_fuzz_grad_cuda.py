@@ -85,7 +85,16 @@ def _fuzzed(max_examples: int, **bounds):
     )
 
 
-def test_gradients_match_float64_autograd():
+@pytest.mark.parametrize("forward", ["fa2", "fa3", "varlen"])
+def test_gradients_match_float64_autograd(forward, monkeypatch):
+    """Each training forward the default runtime may pick (FlashInfer's, whose LSE
+    is converted, or FlashAttention-2's, whose LSE the backward takes as it is),
+    forced for every example."""
+    from ragged_compile.runtime import get_runtime
+
+    if forward == "fa3" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("fa3 needs SM90")
+    monkeypatch.setattr(get_runtime(torch.device("cuda", torch.cuda.current_device())), "backend", forward)
     ran = collections.Counter()
 
     @_fuzzed(MAX_EXAMPLES, max_segments=48, max_len=512, max_tiny_segments=256)

@@ -82,7 +82,8 @@ def main(argv=None) -> int:
     ref = dense_attention(q, k, v, cu.cpu(), cu.cpu(), args.causal, args.head_dim**-0.5)
     err = (out.cpu().double() - ref).abs().max().item() if total else 0.0
     if device.type == "cuda":
-        backend = "flashinfer " + str(runtime.last_backend)
+        backend = {"varlen": "PyTorch's FlashAttention-2 (varlen, no plan)"}.get(
+            runtime.last_backend, f"flashinfer {runtime.last_backend}")
     else:
         backend = "fused CPU attention over groups of segments (backends/cpu.py)"
     print(f"device     {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'})")

@@ -8,8 +8,9 @@ variable                      values                   read
                                                        ``cu_seqlens`` values on every call (a sync).
 ``RAGGED_COMPILE_REFERENCE``  flag                     at every call: the op runs the reference
                                                        kernel on CPU instead of the fused CPU kernel.
-``RAGGED_COMPILE_BACKEND``    ``auto``/``fa2``/``fa3``   when a :class:`~ragged_compile.Runtime` is made
-                                                       (FlashInfer's kernel family on CUDA).
+``RAGGED_COMPILE_BACKEND``    ``auto``/``fa2``/``fa3``/  when a :class:`~ragged_compile.Runtime` is made
+                              ``varlen``               (the CUDA forward: FlashInfer's kernel
+                                                       family, or PyTorch's FlashAttention-2).
 ``RAGGED_COMPILE_BACKWARD``   ``auto``/``fa2``/``fa4``   at every training backward on CUDA.
 ``RAGGED_COMPILE_FA4_PAD``    ``copies``/``fused``     at every flash-attn-4 backward: how its
                                                        isolation layout is written (PyTorch's
@@ -33,7 +34,7 @@ BACKEND = "RAGGED_COMPILE_BACKEND"
 BACKWARD = "RAGGED_COMPILE_BACKWARD"
 FA4_PAD = "RAGGED_COMPILE_FA4_PAD"
 
-BACKENDS = ("auto", "fa2", "fa3")
+BACKENDS = ("auto", "fa2", "fa3", "varlen")
 BACKWARDS = ("auto", "fa2", "fa4")
 FA4_PADS = ("copies", "fused")
 

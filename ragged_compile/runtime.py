@@ -60,15 +60,20 @@ class Runtime:
             kernel there (which needs no plan), steps cost nothing and
             :meth:`graphed` runs its bookkeeping without capturing graphs, so
             the same code runs on both.
-        backend: ``"auto"`` (per layout, fa2 or fa3 from a cost table measured
-            on the H200: :func:`backends.select.flashinfer_backend`), ``"fa2"``
-            or ``"fa3"``; default from ``RAGGED_COMPILE_BACKEND``, else auto.
+        backend: ``"auto"`` (per layout, from cost tables measured on the
+            H200: :func:`backends.select.cuda_backend`: PyTorch's
+            FlashAttention-2 varlen kernel, which needs no plan, where a plan
+            would cost more host time than FlashInfer saves, as on small
+            batches; else FlashInfer's fa2 or fa3), ``"fa2"`` or ``"fa3"``
+            (always FlashInfer), ``"varlen"`` (FlashAttention-2 wherever it
+            runs); default from ``RAGGED_COMPILE_BACKEND``, else auto.
         workspace_bytes: FlashInfer float workspace per CUDA stream, shared by
             this runtime's wrappers on that stream (they run one after another).
 
     ``stats`` counts ``plans``, ``syncs`` (device-to-host reads of offsets),
     ``waits`` (a plan that had to wait for an earlier plan's copy),
-    ``flashinfer``, ``reference`` and (a CPU runtime's) ``cpu`` calls.
+    ``flashinfer``, ``varlen`` (PyTorch's FlashAttention-2 forward), ``fa2``
+    (the same kernel for windows), ``reference`` and (a CPU runtime's) ``cpu`` calls.
 
     One runtime may serve many threads: steps are per thread, and a wrapper is
     planned by one step at a time. Wrappers used on different CUDA streams get
@@ -80,7 +85,7 @@ class Runtime:
         if backend is None:
             backend = config.choice(config.BACKEND, config.BACKENDS)
         if backend not in config.BACKENDS:
-            raise ValueError(f"backend must be 'auto', 'fa2' or 'fa3', got {backend!r}")
+            raise ValueError(f"backend must be 'auto', 'fa2', 'fa3' or 'varlen', got {backend!r}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -112,7 +117,8 @@ class Runtime:
         self._lock = threading.Lock()  # the wrapper pool, the workspace, stats, the tick
         self._local = threading.local()  # this thread's implicit step
         self._retained: list[Step] = []  # finished training steps (see _release)
-        self.last_backend: str | None = None  # what the last call ran: "fa2", "fa3", "reference"
+        # what the last call ran: FlashInfer's "fa2" / "fa3", "varlen", "reference"
+        self.last_backend: str | None = None
 
     def count(self, name: str, n: int = 1) -> None:
         """Add ``n`` to ``stats[name]`` (under the runtime's lock: steps on many threads count)."""
@@ -296,12 +302,13 @@ class Runtime:
 
     def plan(
         self, step: PlannedStep, layout: HostLayout, hq, hkv, d, dtype, causal, scale, window_left: int = -1,
-        softcap: float = 0.0,
+        softcap: float = 0.0, backend: str | None = None,
     ) -> _Slot:
         """The wrapper planned for ``layout`` in ``step``: found in the step's plans
         (every call after a layout's first), or planned now. ``window_left`` and
         ``softcap`` are FlashInfer plan arguments: a model alternating windowed and
-        full layers keeps one plan of each per layout and forward."""
+        full layers keeps one plan of each per layout and forward. ``backend``:
+        FlashInfer's family if the caller chose it (:meth:`kernel`)."""
         # The stream is part of the key: a plan's copy is ordered on the stream it
         # was made on, and each stream has its own workspace.
         stream = self._current_stream()
@@ -310,10 +317,11 @@ class Runtime:
         if hit is not None:
             self.last_backend = hit[2]
             return hit[0]
-        backend = select.flashinfer_backend(
-            self.backend, self.device, max(layout.active, 1), layout.active_k,
-            hq=hq, hkv=hkv, head_dim=d, causal=causal, pairs=layout.pairs,
-        )
+        if backend is None:
+            backend = select.flashinfer_backend(
+                "auto" if self.backend == "varlen" else self.backend, self.device, max(layout.active, 1),
+                layout.active_k, hq=hq, hkv=hkv, head_dim=d, causal=causal, pairs=layout.pairs,
+            )
         self.last_backend = backend
         # a wrapper per variant too: a model alternating windowed and full layers plans
         # both per layout, each within its own configuration's limit
@@ -326,6 +334,21 @@ class Runtime:
         self.count("plans")
         step.plans[key] = (slot, layout, backend)
         return slot
+
+    def kernel(
+        self, step: PlannedStep, layout: HostLayout, hq: int, hkv: int, d: int, dtype: torch.dtype, causal: bool
+    ) -> str:
+        """The kernel of a plain CUDA call on ``layout``: ``"varlen"`` (no plan) or
+        FlashInfer's ``"fa2"``/``"fa3"`` (:func:`backends.select.cuda_backend`),
+        chosen once per layout and call shape in ``step``."""
+        key = (layout.id, hq, hkv, d, dtype, causal)
+        kernel = step.kernels.get(key)
+        if kernel is None:
+            kernel = step.kernels[key] = select.cuda_backend(
+                self.backend, self.device, dtype, layout.n, layout.active, layout.active_k, layout.pairs,
+                hq=hq, hkv=hkv, head_dim=d, causal=causal,
+            )
+        return kernel
 
     def _acquire(self, step: PlannedStep, config: tuple) -> _Slot:
         """A wrapper of this config that no live step holds, whose last plan's

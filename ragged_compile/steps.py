@@ -265,8 +265,9 @@ class _Resolved:
     n: int
     device: int
     stream: int
-    slot: object
+    slot: object  # FlashInfer's planned wrapper, or None for "varlen"
     backend: str | None
+    max_lens: tuple[int, int] | None = None  # "varlen": its grid, from the host layout
 
 
 def fast_attention(q, k, v, cu_q, cu_k, causal: bool, scale) -> torch.Tensor | None:
@@ -295,10 +296,17 @@ def fast_attention(q, k, v, cu_q, cu_k, causal: bool, scale) -> torch.Tensor | N
     rt = step.runtime
     if rt._current_stream() != hit.stream:
         return None
-    out = fi.replay(hit.slot.wrapper, q, k, v)
-    if out is not None:
+    if hit.slot is None:  # PyTorch's FlashAttention-2: no plan, the layout's grid
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            return None
+        out = flash_backward.forward_unpadded(q, k, v, cu_q, cu_k, *hit.max_lens, causal, scale)
+        rt.count("varlen")
+    else:
+        out = fi.replay(hit.slot.wrapper, q, k, v)
+        if out is None:
+            return None
         rt.count("flashinfer")
-        rt.last_backend = hit.backend
+    rt.last_backend = hit.backend
     return out
 
 
@@ -312,6 +320,7 @@ class PlannedStep(Step):
         self.host: dict[tuple, torch.Tensor | tuple] = {}  # offsets read (or being read) to the host
         self.held: list[torch.Tensor] = []  # keeps identified offsets' memory from reuse
         self.plans: dict[tuple, tuple] = {}
+        self.kernels: dict[tuple, str] = {}  # see Runtime.kernel
         self.slots: list = []  # the runtime's wrapper slots this step holds
         self.fast: dict[tuple, _Resolved] = {}  # see fast_attention
 
@@ -427,26 +436,42 @@ class PlannedStep(Step):
             return q.new_empty(q.shape)
         if total_k == 0:
             return q.new_zeros(q.shape)
+        kernel = None if softcap else rt.kernel(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal)
+        if kernel == "varlen":
+            rt.count("varlen")
+            rt.last_backend = "varlen"
+            out = flash_backward.forward(q, k, v, cu_q, cu_k, *layout.max_lens, causal, scale)[0]
+            if layout.max_lens[0] and layout.max_lens[1] and q.shape[2] == flash_backward.fa2_head_dim(q.shape[2]):
+                self._remember(q, k, cu_q, cu_k, causal, scale, None, layout.max_lens)
+            return out
         # softcap (the caller checked select.cuda_runs_reference): FlashInfer caps, and
         # bounds the window's left side, at plan time
         window_left = select.flashinfer_window(causal, window) if softcap else -1
-        slot = rt.plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale, window_left, softcap)
+        slot = rt.plan(
+            self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale, window_left, softcap, kernel,
+        )
         rt.count("flashinfer")
         out = fi.run(slot.wrapper, q, k, v)
         if not softcap:
             self._remember(q, k, cu_q, cu_k, causal, scale, slot)
         return out
 
-    def _remember(self, q, k, cu_q, cu_k, causal, scale, slot) -> None:
+    def _remember(self, q, k, cu_q, cu_k, causal, scale, slot, max_lens=None) -> None:
         """Keep what this call resolved, so that the next layer's call with the same
-        offsets and shapes goes straight to the kernel (:func:`fast_attention`)."""
+        offsets and shapes goes straight to the kernel (:func:`fast_attention`):
+        FlashInfer's planned ``slot``, or (``slot`` None) FlashAttention-2 with the
+        layout's ``max_lens``, on int32 offsets it takes as they are."""
         vq, vk = tensor_version(cu_q), tensor_version(cu_k)
         if vq is None or vk is None:
             return  # inference tensors: edits would go unseen
+        if slot is None and not all(
+            cu.dtype == torch.int32 and cu.is_contiguous() and cu.device == q.device for cu in (cu_q, cu_k)
+        ):
+            return
         key = (id(cu_q), id(cu_k), q.shape, k.shape, q.dtype, causal, scale)
         self.fast[key] = _Resolved(
             weakref.ref(cu_q), weakref.ref(cu_k), vq, vk, cu_q.shape[0], q.get_device(),
-            self.runtime._current_stream(), slot, self.runtime.last_backend,
+            self.runtime._current_stream(), slot, self.runtime.last_backend, max_lens,
         )
         _local.last = weakref.ref(self)
 
@@ -475,7 +500,15 @@ class PlannedStep(Step):
         if total_q == 0 or total_k == 0:
             lse = torch.full((q.shape[1], total_q), float("inf"), dtype=torch.float32, device=q.device)
             return q.new_zeros(q.shape), lse, max_lens
-        slot = rt.plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale)
+        kernel = rt.kernel(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal)
+        if kernel == "varlen":
+            # its LSE is already the backward's (no conversion); varlen runs only
+            # within FlashAttention-2's segment limit, so on the call's own offsets
+            rt.count("varlen")
+            rt.last_backend = "varlen"
+            out, lse = flash_backward.forward(q, k, v, cu_q, cu_k, *max_lens, causal, scale)
+            return out, lse, max_lens
+        slot = rt.plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale, backend=kernel)
         rt.count("flashinfer")
         out, lse = fi.run_with_lse(slot.wrapper, q, k, v)
         return out, flash_backward.lse_from_flashinfer(lse), max_lens

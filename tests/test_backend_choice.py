@@ -73,14 +73,21 @@ def test_padded_layouts_are_judged_by_their_active_segments(monkeypatch):
     lay = HostLayout(cu(q_lens), cu(k_lens))
     assert (lay.n, lay.active, lay.active_k) == (6, 2, 700)
     _fake_flashinfer.install(monkeypatch)
-    seen = []
+    from ragged_compile.backends import flash_backward
+
+    seen, judged = [], []
     monkeypatch.setattr(select, "flashinfer_backend", lambda req, dev, n, total_k, **kw: seen.append((n, total_k)) or "fa2")
-    rt = rc.Runtime("cpu", backend="fa2", workspace_bytes=64)
+    monkeypatch.setattr(flash_backward, "unsupported_reason", lambda device, dtype, head_dim: None)
+    monkeypatch.setattr(select, "_plan_pays", lambda mean_kv, pairs, *a: judged.append((mean_kv, pairs)) or True)
+    rt = rc.Runtime("cpu", backend="auto", workspace_bytes=64)
     q = torch.randn(1024, 2, 8)
     k = torch.randn(1024, 2, 8)
+    cu_q, cu_k = cu(q_lens), cu(k_lens)
     with rt.step(q_lens, k_lens) as step:
-        step.attention(q, k, k, cu(q_lens), cu(k_lens), False, 0.3)
-    assert seen == [(2, 700)]
+        step.attention(q, k, k, cu_q, cu_k, False, 0.3)
+        step.attention(q, k, k, cu_q, cu_k, False, 0.3)  # the layout's second call: no new choice
+    assert seen == [(2, 700)] and judged[0] == (350, 512 * 700)
+    assert rt.stats["plans"] == 1
 
 
 def test_fa3_runs_only_where_its_saving_pays_for_its_plan(sm90):
@@ -100,3 +107,74 @@ def test_fa3_runs_only_where_its_saving_pays_for_its_plan(sm90):
     # and a layout fa3 loses on stays on fa2 whatever its size
     tiny = [17] * 2000
     assert select.flashinfer_backend("auto", dev, 2000, sum(tiny), pairs=sum(x * x for x in tiny), **small) == "fa2"
+
+
+# -- no plan at all: PyTorch's FlashAttention-2 where FlashInfer's plan does not pay -----
+
+
+@pytest.fixture
+def varlen_runs(monkeypatch, sm90):
+    from ragged_compile.backends import flash_backward
+
+    monkeypatch.setattr(flash_backward, "unsupported_reason", lambda device, dtype, head_dim: None)
+
+
+def _padded(batch, length, real=0.75, seed=0):
+    """A right-padded batch's layout as the transformers path builds it."""
+    import numpy as np
+
+    from ragged_compile.hf import _layout_of_runs
+    from ragged_compile.steps import HostLayout
+
+    rng = np.random.default_rng(seed)
+    n = rng.integers(int(length * (2 * real - 1)), length + 1, batch)
+    seg = _layout_of_runs(np.zeros(batch, dtype=np.int64), n.astype(np.int64), length, length, False)
+    return HostLayout(seg.cu_q, seg.cu_k)
+
+
+def _packed(lens):
+    from ragged_compile.steps import HostLayout
+
+    return HostLayout.from_lengths(lens)
+
+
+def _kernel(layout, requested="auto", hq=12, hkv=12, d=64, causal=False, dtype=torch.bfloat16):
+    return select.cuda_backend(
+        requested, torch.device("cuda", 0), dtype, layout.n, layout.active, layout.active_k, layout.pairs,
+        hq=hq, hkv=hkv, head_dim=d, causal=causal,
+    )
+
+
+@pytest.mark.parametrize("batch,length", [(64, 48), (64, 128), (16, 512), (256, 128)])
+def test_small_padded_batches_run_varlen_without_a_plan(varlen_runs, batch, length):
+    """BERT-base's padded batches of the sizes embedding servers send: their whole
+    forward's attention is less work than FlashInfer's plan costs the host."""
+    assert _kernel(_padded(batch, length)) == "varlen"
+    assert _kernel(_padded(batch, length), causal=True) == "varlen"
+
+
+def test_attention_heavy_layouts_plan_flashinfer(varlen_runs):
+    mixed = _packed([1883, 3842, 1501, 2104, 602, 3402, 64, 2591, 221, 2127, 2969, 4096, 2431, 2098, 3811, 301])
+    big = dict(hq=16, hkv=16, d=128)
+    assert _kernel(mixed, **big) == "fa3"
+    assert _kernel(mixed, causal=True, **big) == "fa3"
+    assert _kernel(_packed([8192] * 4), **big) == "fa3"
+    assert _kernel(_packed([16 + (i * 97) % 240 for i in range(250)]), **big) == "fa2"  # short flood, 33k tokens
+    assert _kernel(_padded(64, 512), hq=16, d=128) in ("fa2", "fa3")
+    # the saving grows with the work: a layout that plans stays planned when it grows
+    assert _kernel(_padded(64, 512, seed=1), hq=16, d=128) != "varlen"
+
+
+def test_requested_backends_and_what_varlen_cannot_run(varlen_runs, monkeypatch):
+    from ragged_compile.backends import flash_backward
+
+    small = _padded(64, 48)
+    assert _kernel(small, "fa2") == "fa2" and _kernel(small, "fa3") == "fa3"
+    assert _kernel(_packed([8192] * 4), "varlen", hq=16, d=128) == "varlen"
+    # past FlashAttention-2's grid limit of segments: FlashInfer, forced or not
+    flood = _packed([1] * (flash_backward.MAX_SEGMENTS + 1))
+    assert _kernel(flood) != "varlen" and _kernel(flood, "varlen") != "varlen"
+    # where FlashAttention-2 does not run (an old GPU, another dtype): FlashInfer
+    monkeypatch.setattr(flash_backward, "unsupported_reason", lambda device, dtype, head_dim: "no")
+    assert _kernel(small) == "fa3" or _kernel(small) == "fa2"
+    assert _kernel(small, "varlen") in ("fa2", "fa3")

@@ -536,7 +536,7 @@ def test_inference_mode():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_vision_tower_plans_once_per_layout():
+def test_cuda_vision_tower_plans_once_per_layout(monkeypatch):
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
     from ragged_compile.runtime import get_runtime
@@ -547,6 +547,7 @@ def test_cuda_vision_tower_plans_once_per_layout():
     grid = GRID.cuda()
     x = torch.randn(int((GRID[:, 0] * GRID[:, 1] * GRID[:, 2]).sum()), 24, device="cuda", dtype=torch.bfloat16)
     rt = get_runtime(torch.device("cuda"))
+    monkeypatch.setattr(rt, "backend", "fa2")  # FlashInfer: what plans
     with torch.no_grad():
         ref, out, n = both(model, lambda m: m(x, grid_thw=grid).pooler_output)
         before = dict(rt.stats)
@@ -562,13 +563,14 @@ def test_cuda_vision_tower_plans_once_per_layout():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("left", [False, True])
-def test_cuda_decoder_padded_and_generate(left):
+def test_cuda_decoder_padded_and_generate(left, monkeypatch):
     from ragged_compile.runtime import get_runtime
 
     model = _decoder("qwen2", hidden_size=256).cuda().bfloat16()  # head dim 64
     ids = torch.randint(2, 62, (3, 9), device="cuda")
     mask = pad_mask([9, 4, 6], 9, left).cuda()
     rt = get_runtime(torch.device("cuda"))
+    monkeypatch.setattr(rt, "backend", "fa2")  # FlashInfer: what plans
     with torch.no_grad():
         ref, out, n = both(model, lambda m: m(input_ids=ids, attention_mask=mask, use_cache=False).logits)
         assert n == 2

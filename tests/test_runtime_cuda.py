@@ -52,7 +52,7 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("backend", ["fa2", "fa3", "varlen"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads,d", [((8, 8), 64), ((8, 2), 128), ((4, 1), 72), ((6, 3), 80), ((4, 4), 96)])
@@ -66,7 +66,9 @@ def test_matches_reference(backend, layout, causal, heads, d):
     with runtime.step():
         out = runtime.attention(q, k, v, cu_q, cu_k, causal, d**-0.5)
     _check(out, q, k, v, cu_q, cu_k, causal)
-    assert runtime.stats["flashinfer"] == 1 and runtime.stats["reference"] == 0
+    kernel = "varlen" if backend == "varlen" else "flashinfer"
+    assert runtime.stats[kernel] == 1 and runtime.stats["reference"] == 0
+    assert runtime.stats["plans"] == (kernel == "flashinfer") and runtime.last_backend == backend
 
 
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
@@ -142,7 +144,7 @@ def test_public_function_on_cuda(dtype):
 def test_one_plan_per_layout_per_step_and_no_sync_with_host_lengths():
     lens = [100, 3, 0, 250, 1]
     q, k, v, cu, _ = _case(lens, lens, 8, 8, 64)
-    runtime = rc.Runtime()
+    runtime = rc.Runtime(backend="fa2")  # FlashInfer: what plans
     with runtime.step(lens):
         outs = [runtime.attention(q, k, v, cu, cu, False, 0.125) for _ in range(24)]
     assert runtime.stats["plans"] == 1
@@ -154,7 +156,7 @@ def test_one_plan_per_layout_per_step_and_no_sync_with_host_lengths():
 def test_one_sync_per_layout_from_device_offsets():
     lens = [100, 3, 0, 250, 1]
     q, k, v, cu, _ = _case(lens, lens, 8, 8, 64)
-    runtime = rc.Runtime()
+    runtime = rc.Runtime(backend="fa2")  # FlashInfer: what plans
     with runtime.step():
         for _ in range(24):
             runtime.attention(q, k, v, cu, cu, True, 0.125)
@@ -163,7 +165,7 @@ def test_one_sync_per_layout_from_device_offsets():
 
 
 def test_equal_totals_different_layouts_never_reuse_a_plan():
-    runtime = rc.Runtime()
+    runtime = rc.Runtime(backend="fa2")  # FlashInfer: what plans
     for lens in ([10, 20, 30], [30, 20, 10], [59, 0, 1], [1, 58, 1]):
         q, k, v, cu, _ = _case(lens, lens, 4, 4, 64, seed=sum(l * i for i, l in enumerate(lens)))
         with runtime.step():
@@ -197,7 +199,7 @@ def test_step_lengths_that_do_not_match_are_caught_in_debug_mode():
 def test_cross_layout_declared_in_step_needs_no_sync():
     lq, lk = [1, 1, 2], [30, 0, 40]
     q, k, v, cu_q, cu_k = _case(lq, lk, 8, 2, 128)
-    runtime = rc.Runtime()
+    runtime = rc.Runtime(backend="fa2")  # FlashInfer: what plans
     with runtime.step(lq, lk):
         out = runtime.attention(q, k, v, cu_q, cu_k, False, 128**-0.5)
         selfq = runtime.attention(q, q[:, :2], q[:, :2], cu_q, cu_q, False, 128**-0.5)
@@ -224,7 +226,7 @@ def test_float32_and_huge_head_dim_run_the_reference_with_a_warning(caplog):
     assert runtime.stats["reference"] == 2
 
 
-def test_compiled_function_plans_once_per_step():
+def test_compiled_function_plans_once_per_step(monkeypatch):
     lens = [100, 3, 0, 250, 1]
     q, k, v, cu, _ = _case(lens, lens, 8, 8, 64)
 
@@ -238,6 +240,7 @@ def test_compiled_function_plans_once_per_step():
     from ragged_compile.runtime import get_runtime
 
     rt = get_runtime(q.device)
+    monkeypatch.setattr(rt, "backend", "fa2")  # FlashInfer: what plans
     compiled(q, k, v, cu)  # compile
     before = dict(rt.stats)
     with rt.step(lens):
@@ -262,7 +265,10 @@ def test_fuzz_style_many_layouts_equal_totals():
         _check(out, q, k, v, cu, cu, bool(i % 2), 96**-0.5)
 
 
-def test_ragged_compile_plans_once_and_reads_offsets_once_per_forward():
+@pytest.mark.parametrize("backend", ["fa2", "auto"])
+def test_ragged_compile_plans_once_and_reads_offsets_once_per_forward(backend, monkeypatch):
+    """FlashInfer plans once per forward; ``auto`` runs these small layouts on
+    FlashAttention-2, which plans nothing: both read the offsets once."""
     import torch.nn.functional as F
 
     class Attn(torch.nn.Module):
@@ -279,6 +285,8 @@ def test_ragged_compile_plans_once_and_reads_offsets_once_per_forward():
     model = torch.nn.Sequential(*[Attn() for _ in range(4)]).to("cuda", torch.bfloat16)
     compiled = rc.compile(model, fullgraph=True)
     rt = rc.runtime.get_runtime(torch.device("cuda", torch.cuda.current_device()))
+    monkeypatch.setattr(rt, "backend", backend)
+    kernel = "flashinfer" if backend == "fa2" else "varlen"
 
     def njt(lens, seed):
         g = torch.Generator(device="cuda").manual_seed(seed)
@@ -291,9 +299,9 @@ def test_ragged_compile_plans_once_and_reads_offsets_once_per_forward():
             x = njt(lens, i + 1)
             before = dict(rt.stats)
             out = compiled(x)
-            assert rt.stats["plans"] - before.get("plans", 0) == 1
+            assert rt.stats["plans"] - before.get("plans", 0) == (kernel == "flashinfer")
             assert rt.stats["syncs"] - before.get("syncs", 0) == 1
-            assert rt.stats["flashinfer"] - before.get("flashinfer", 0) == 4
+            assert rt.stats[kernel] - before.get(kernel, 0) == 4
             for seg, got in zip(x.unbind(), out.unbind()):  # dense per-segment reference
                 y = seg.float()
                 for layer in model:

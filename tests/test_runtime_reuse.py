@@ -533,3 +533,79 @@ def test_fast_path_keeps_no_offsets_alive_and_never_mistakes_new_ones(fake_flash
         torch.testing.assert_close(out, _want(q, k, v, new))
         torch.testing.assert_close(fast_attention(q, k, v, new, new, True, 0.3), _want(q, k, v, new))
     assert step is not None
+
+
+# -- PyTorch's FlashAttention-2 forward: no plan (select.cuda_backend "varlen") ----------
+
+
+@pytest.fixture
+def fake_varlen(monkeypatch, fake_flashinfer):
+    """The runtime on CPU with FlashAttention-2's aten kernel replaced by the
+    reference of its contract; records the grid sizes each launch got."""
+    from ragged_compile.backends import flash_backward
+    from ragged_compile.reference import reference_lse
+
+    rt, call = fake_flashinfer
+    rt.backend = "varlen"
+    launches = []
+
+    def fa2_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug, *, scale, window_size_left,
+                    window_size_right):
+        assert cu_q.dtype == torch.int32 and (window_size_left, window_size_right) == (-1, -1)
+        launches.append((max_q, max_k))
+        out = rc.reference_attention(q, k, v, cu_q, cu_k, causal, scale)
+        lse = reference_lse(q, k, cu_q, cu_k, causal, scale)  # aten's layout: [Hq, Tq], ln, +inf
+        return out, lse, torch.zeros(2, dtype=torch.uint64), None, None
+
+    monkeypatch.setattr(flash_backward, "_forward_kernel", fa2_forward)
+    monkeypatch.setattr(flash_backward, "unsupported_reason", lambda device, dtype, head_dim: None)
+    return rt, call, launches
+
+
+def test_varlen_forward_plans_nothing_and_reads_offsets_once(fake_varlen):
+    rt, call, launches = fake_varlen
+    q, k, v = _qkv(60)
+    cu = _cu([10, 0, 20, 30])
+    for _ in range(8):
+        out = call(q, k, v, cu, cu)
+    torch.testing.assert_close(out, _want(q, k, v, cu))
+    assert rt.stats["plans"] == 0 and rt.stats["syncs"] == 1 and rt.stats["varlen"] == 8
+    assert rt.stats["flashinfer"] == 0 and rt.last_backend == "varlen"
+    assert launches == [(30, 30)] * 8  # the grid from the host layout, never a read
+
+
+def test_varlen_fast_path_repeats_only_the_call_it_resolved(fake_varlen):
+    from ragged_compile.steps import fast_attention
+
+    rt, call, launches = fake_varlen
+    q, k, v = _qkv(60, d=16)
+    cu = _cu([10, 20, 30])
+    call(q, k, v, cu, cu)
+    q2, k2, v2 = _qkv(60, seed=1, d=16)
+    torch.testing.assert_close(fast_attention(q2, k2, v2, cu, cu, True, 0.3), _want(q2, k2, v2, cu))
+    assert rt.stats["varlen"] == 2 and len(launches) == 2
+    assert fast_attention(q, k, v, cu.clone(), cu, True, 0.3) is None  # equal values, another tensor
+    assert fast_attention(q, k, v, cu, cu, False, 0.3) is None
+    strided = torch.randn(60, 2, 32)[..., ::2]  # the kernel takes unit last strides only
+    assert fast_attention(strided, k, v, cu, cu, True, 0.3) is None
+    cu[1:].copy_(_cu([30, 20, 10])[1:])  # in place, equal totals: a new layout, a new grid
+    assert fast_attention(q, k, v, cu, cu, True, 0.3) is None
+    torch.testing.assert_close(call(q, k, v, cu, cu), _want(q, k, v, cu))
+    assert launches[-1] == (30, 30) and rt.stats["syncs"] == 2
+    # a head dim the kernel pads (not a multiple of 8) never takes the direct path
+    q3, k3, v3 = _qkv(60, d=12)
+    torch.testing.assert_close(call(q3, k3, v3, cu, cu), _want(q3, k3, v3, cu))
+    assert fast_attention(q3, k3, v3, cu, cu, True, 0.3) is None
+
+
+def test_varlen_training_forward_hands_its_lse_to_the_backward_as_it_is(fake_varlen):
+    from ragged_compile.reference import reference_lse
+
+    rt, call, launches = fake_varlen
+    q, k, v = _qkv(60)
+    cu = _cu([10, 0, 20, 30])
+    with rt.step() as step:
+        out, lse, max_lens = step.attention_with_lse(q, k, v, cu, cu, True, 0.3)
+    torch.testing.assert_close(out, _want(q, k, v, cu))
+    torch.testing.assert_close(lse, reference_lse(q, k, cu, cu, True, 0.3))
+    assert max_lens == (30, 30) and rt.stats["plans"] == 0 and rt.stats["varlen"] == 1

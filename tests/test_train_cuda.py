@@ -153,7 +153,8 @@ def test_public_function_trains_on_fused_kernels_without_warning(monkeypatch, ca
     with caplog.at_level(logging.WARNING, logger="ragged_compile"), rt.step():
         out = rc.ragged_attention(q, k, v, cq, causal=True)
     out.sum().backward()
-    assert calls == [1] and rt.stats["flashinfer"] == 1
+    # a layout this small runs FlashAttention-2's forward, whose LSE the backward takes
+    assert calls == [1] and rt.stats["varlen"] == 1 and rt.stats["plans"] == 0
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
@@ -300,6 +301,7 @@ def test_compiled_njt_encoder_trains_on_our_op(monkeypatch, caplog, checkpoint):
     model = _encoder(checkpoint=checkpoint).cuda().to(torch.bfloat16)
     compiled = rc.compile(model)
     rt = rc.runtime.get_runtime(torch.device("cuda", torch.cuda.current_device()))
+    monkeypatch.setattr(rt, "backend", "fa2")  # FlashInfer: what plans
     layouts = [[64, 1, 300, 17], [5, 200, 33], [128, 128, 7, 1, 90], [1, 2, 3, 400]]
     graphs_after = []
     with caplog.at_level(logging.WARNING, logger="ragged_compile"):

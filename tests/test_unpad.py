@@ -698,7 +698,7 @@ def _cuda_inputs(family, lengths, s, left=False):
 @pytest.mark.cuda
 @pytest.mark.parametrize("family,suffix,left", [("bert", "Model", False), ("xlm-roberta", "ForMaskedLM", True),
                                                 ("qwen3", "ForCausalLM", True), ("llama", "Model", False)])
-def test_cuda_packed_one_plan_per_forward(family, suffix, left):
+def test_cuda_packed_one_plan_per_forward(family, suffix, left, monkeypatch):
     from ragged_compile.runtime import get_runtime
 
     model = _cuda_model(family, suffix)
@@ -707,6 +707,7 @@ def test_cuda_packed_one_plan_per_forward(family, suffix, left):
         kw["use_cache"] = False
     valid = kw["attention_mask"].bool()
     rt = get_runtime(torch.device("cuda"))
+    monkeypatch.setattr(rt, "backend", "fa2")  # FlashInfer: what plans
     with torch.no_grad():
         ref = model(**kw)
         hf_unpad.unpad(model)

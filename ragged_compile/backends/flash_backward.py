@@ -43,7 +43,7 @@ from . import pad_head_dim
 
 __all__ = [
     "unsupported_reason", "fa2_head_dim", "lse_from_flashinfer", "forward", "forward_dropout", "backward",
-    "with_sinks", "sinks_grad",
+    "with_sinks", "sinks_grad", "forward_unpadded",
 ]
 
 MAX_HEAD_DIM = 256
@@ -117,6 +117,17 @@ def forward(
     window_size=window)``; ``lse`` in the backward's layout (``[Hq, Tq]`` fp32,
     natural log, ``+inf`` for keyless rows). ``max_q``/``max_k``: host ints."""
     return _forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, 0.0)[:2]
+
+
+def forward_unpadded(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float) -> torch.Tensor:
+    """:func:`forward`'s output for a call whose every argument the kernel takes as
+    it is (head dim a multiple of 8, unit last strides, int32 contiguous offsets,
+    ``max_q``/``max_k`` > 0, within :data:`MAX_SEGMENTS`): the later layers of a
+    forward whose first call went through :func:`forward` (``steps.fast_attention``)."""
+    out = _forward_kernel(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, window_size_left=-1, window_size_right=-1,
+    )[0]
+    return out if out.is_contiguous() else out.contiguous()
 
 
 def forward_dropout(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, dropout_p: float):
@@ -258,8 +269,8 @@ def _unused_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _kernel(*args, **kwargs):
     # One seam per aten kernel: CPU tests put a reference of its contract here.
-    return torch.ops.aten._flash_attention_backward(*args, **kwargs)
+    return torch.ops.aten._flash_attention_backward.default(*args, **kwargs)
 
 
 def _forward_kernel(*args, **kwargs):
-    return torch.ops.aten._flash_attention_forward(*args, **kwargs)
+    return torch.ops.aten._flash_attention_forward.default(*args, **kwargs)

@@ -10,8 +10,11 @@ forward             :func:`forward_kernel`: ``"cpu"`` (the fused CPU kernel, cpu
                     flash_backward.py) or ``"reference"`` (reference.py: float64,
                     other devices, ``RAGGED_COMPILE_REFERENCE``, CUDA calls no fast
                     kernel takes)
-FlashInfer family   :func:`flashinfer_backend`: ``"fa2"`` or ``"fa3"`` per layout, from a
-                    cost table measured on the H200
+CUDA kernel        :func:`cuda_backend`: ``"varlen"`` (PyTorch's FlashAttention-2, which
+                    plans nothing) where a FlashInfer plan would cost more host time
+                    than its kernel saves over a forward, else FlashInfer's ``"fa2"``
+                    or ``"fa3"`` (:func:`flashinfer_backend`), from cost tables
+                    measured on the H200
 training            :func:`trains_with_lse`: whether a grad-requiring call runs the LSE
                     pair (a forward that saves its log-sum-exp for a fused backward)
 backward            :func:`backward_kernel`: ``"fa4"`` (flash-attn-4, SM90) or ``"fa2"``
@@ -70,6 +73,7 @@ __all__ = [
     "forward_kernel",
     "forward_reason",
     "flashinfer_backend",
+    "cuda_backend",
     "predicted_fa3_over_fa2",
     "trains_with_lse",
     "training_reason",
@@ -315,6 +319,79 @@ def flashinfer_backend(
         if (1 - ratio) * fa2_s * _LAYERS_PER_PLAN < base + per_segment * n:
             return "fa2"
     return "fa3"
+
+
+# PyTorch's FlashAttention-2 varlen forward (``aten._flash_attention_forward``, what
+# ``torch.nn.attention.varlen.varlen_attn`` runs) plans nothing: its grid comes from
+# the host's longest segments, which the step's layout holds. FlashInfer must plan
+# each layout once per forward, on the host, right after the forward's one offsets
+# read, when the GPU has drained: ~0.15-0.8 ms of FlashInfer's plan
+# (sweep_backends.json) plus the runtime's own bookkeeping. Its kernels are faster
+# (varlen_attn's time over FlashInfer's best, H200, bf16, 16 heads of 128, ~33k
+# tokens, against the mean k/v tokens per segment: 1.12x on 244 segments of
+# 16..256, 1.76x on 16 of 64..4096, 1.80x on 4 x 8192), so the plan pays for
+# itself wherever the forward's attention is more than a sliver of work; on a
+# small batch, where the host decides the time, it does not. Where lengths come
+# from the host (Runtime.step(lengths)) a GPU-bound forward hides the plan behind
+# earlier work: the lower end of its cost is taken, so that only clearly small
+# layouts leave FlashInfer.
+_PLAN_S = 3e-4
+_VARLEN_OVER_FLASHINFER = [(136, 1.12), (2128, 1.76), (8192, 1.80)]
+# varlen_attn's useful throughput on the same layouts (FLOP/s): short segments
+# fill its tiles less
+_VARLEN_FLOPS = [(136, 150e12), (2128, 330e12), (8192, 357e12)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_pays(mean_kv: float, pairs: int, hq: int, head_dim: int, causal: bool) -> bool:
+    flops = 4 * pairs * hq * head_dim / (2 if causal else 1)
+    varlen_s = flops / _interp_log(_VARLEN_FLOPS, max(mean_kv, 1.0))
+    saved_s = varlen_s * (1 - 1 / _interp_log(_VARLEN_OVER_FLASHINFER, max(mean_kv, 1.0)))
+    return saved_s * _LAYERS_PER_PLAN >= _PLAN_S
+
+
+def cuda_backend(
+    requested: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    n: int,
+    active: int,
+    active_k: int,
+    pairs: int,
+    *,
+    hq: int,
+    hkv: int,
+    head_dim: int,
+    causal: bool,
+) -> str:
+    """The CUDA kernel of a plain (no variant) call on a layout: ``"varlen"``
+    (PyTorch's FlashAttention-2, no plan), or FlashInfer's ``"fa2"`` / ``"fa3"``
+    (planned once per layout and step).
+
+    ``requested`` is the runtime's ``backend``: ``"auto"`` picks ``"varlen"``
+    where FlashInfer's plan would cost more host time than its faster kernel
+    saves over a forward's layers (``_PLAN_S``: small batches), FlashInfer
+    elsewhere (:func:`flashinfer_backend`); ``"fa2"``/``"fa3"`` always plan
+    FlashInfer; ``"varlen"`` always runs FlashAttention-2 where it can: the
+    layout has at most ``MAX_SEGMENTS`` segments (its grid has a block row per
+    segment) and FlashAttention-2 runs on this GPU, dtype and head dim.
+    ``n``: segments; ``active``/``active_k``: those with work on both sides and
+    their keys; ``pairs``: query-key pairs per head (``sum(Lq * Lk)``).
+    """
+    if requested in ("fa2", "fa3"):
+        return requested
+    varlen_runs = n <= flash_backward.MAX_SEGMENTS and flash_backward.unsupported_reason(device, dtype, head_dim) is None
+    if requested == "varlen":
+        if varlen_runs:
+            return "varlen"
+        requested = "auto"
+    elif requested == "auto" and varlen_runs and not _plan_pays(
+        active_k / max(active, 1), pairs, hq, flash_backward.fa2_head_dim(head_dim), causal
+    ):
+        return "varlen"
+    return flashinfer_backend(
+        requested, device, max(active, 1), active_k, hq=hq, hkv=hkv, head_dim=head_dim, causal=causal, pairs=pairs,
+    )
 
 
 # -- training -----------------------------------------------------------------------

@@ -286,10 +286,13 @@ def hf_rows(dev, dtype, shapes, layers, hidden, heads, target_s, label="bert-bas
                     fwd()
                 row[impl] = {"syncs_per_forward": sc.n}
                 if rt is not None and impl != "sdpa":
-                    row[impl]["kernel"] = rt.last_backend
-            if rt is not None:  # ours with FlashInfer forced: what a plan per forward costs
-                fwds["ours_flashinfer"] = lambda m=models["ours"]: _on_backend(rt, "fa2", m, ids, mask)
-                row["ours_flashinfer"] = {"kernel": (fwds["ours_flashinfer"](), rt.last_backend)[1]}
+                    row[impl]["kernel"] = _kernel_of(rt, fwd)
+            if rt is not None:
+                # ours on the ragged path (no SDPA for small batches: select.padded_kernel),
+                # with auto's kernel and with FlashInfer forced (a plan per forward)
+                for impl, backend in (("ours_ragged", "auto"), ("ours_flashinfer", "fa2")):
+                    fwds[impl] = fwd = lambda m=models["ours"], be=backend: _on_backend(rt, be, m, ids, mask)
+                    row[impl] = {"kernel": _kernel_of(rt, fwd)}
             # in rotating rounds, so drift (clocks, a neighbour's load) hits all alike
             for impl, times in _rounds(fwds, dev, target_s).items():
                 row[impl].update(ms=median([t[0] for t in times]), wall_ms=median([t[1] for t in times]))
@@ -298,20 +301,34 @@ def hf_rows(dev, dtype, shapes, layers, hidden, heads, target_s, label="bert-bas
         )
         row["ours_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["ours"]["wall_ms"]
         row["unpad_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["unpad"]["wall_ms"]
-        if "ours_flashinfer" in row:
-            row["ours_flashinfer_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["ours_flashinfer"]["wall_ms"]
+        for impl in ("ours_ragged", "ours_flashinfer"):
+            if impl in row:
+                row[f"{impl}_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row[impl]["wall_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
 
 
 def _on_backend(rt, backend, model, ids, mask):
-    """A forward of ``model`` with the runtime's CUDA forward forced to ``backend``."""
+    """A forward of ``model`` on the ragged path (never SDPA for a small padded
+    batch), with the runtime's CUDA forward forced to ``backend``."""
+    from ragged_compile.backends import select
+
     before, rt.backend = rt.backend, backend
+    dense, select._DENSE_MAX_FLOPS = select._DENSE_MAX_FLOPS, 0
     try:
         return model(input_ids=ids, attention_mask=mask).last_hidden_state
     finally:
-        rt.backend = before
+        rt.backend, select._DENSE_MAX_FLOPS = before, dense
+
+
+def _kernel_of(rt, fwd) -> str:
+    """What a forward's attention ran: the runtime's last kernel, or ``"sdpa"`` where
+    no op call reached the runtime (a small padded batch: select.padded_kernel)."""
+    before = sum(rt.stats[k] for k in ("varlen", "flashinfer", "fa2", "reference"))
+    fwd()
+    ran = sum(rt.stats[k] for k in ("varlen", "flashinfer", "fa2", "reference")) - before
+    return rt.last_backend if ran else "sdpa"
 
 
 def _rounds(fns: dict, dev, target_s: float, rounds: int = 5) -> dict:
@@ -498,13 +515,14 @@ def _markdown(res: dict) -> str:
         lines.append("")
     if "hf" in res:
         lines += ["## BERT-style encoder forward, padded batches (lengths L/2..L, or 1..L where real tokens are ~50%)", "",
-                  "| model | batch x L | real tokens | sdpa ms | ours ms (kernel) | ours, FlashInfer forced, ms | ours unpadded ms | ours / sdpa | unpadded / sdpa | syncs / forward (sdpa, ours, unpadded) | max diff |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| model | batch x L | real tokens | sdpa ms | ours ms (kernel) | ours ragged ms (kernel) | ours, FlashInfer forced, ms | ours unpadded ms | ours / sdpa | unpadded / sdpa | syncs / forward (sdpa, ours, unpadded) | max diff |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["hf"]:
             fi_ms = f"{r['ours_flashinfer']['wall_ms']:.2f}" if "ours_flashinfer" in r else ""
+            rg = f"{r['ours_ragged']['wall_ms']:.2f} ({r['ours_ragged']['kernel']})" if "ours_ragged" in r else ""
             lines.append(
                 f"| {r['model']} | {r['batch']} x {r['length']} | {r['real_tokens'] / r['padded_tokens']:.0%} | "
-                f"{r['sdpa']['wall_ms']:.2f} | {r['ours']['wall_ms']:.2f} ({r['ours'].get('kernel', '')}) | {fi_ms} | "
+                f"{r['sdpa']['wall_ms']:.2f} | {r['ours']['wall_ms']:.2f} ({r['ours'].get('kernel', '')}) | {rg} | {fi_ms} | "
                 f"{r['unpad']['wall_ms']:.2f} | {r['ours_over_sdpa_speed']:.2f}x | {r['unpad_over_sdpa_speed']:.2f}x | "
                 f"{r['sdpa']['syncs_per_forward']}, {r['ours']['syncs_per_forward']}, {r['unpad']['syncs_per_forward']} | "
                 f"{r['max_diff_valid']:.1e} |"
@@ -558,7 +576,8 @@ def main() -> None:
         if a.smoke:
             res["hf"] = hf_rows(dev, dtype, [(4, 16)], 2, 64, 2, 0.05)
         else:
-            res["hf"] = hf_rows(dev, dtype, [(64, 48), (64, 128), (16, 512), (256, 128), (64, 512)], 12, 768, 12, a.target_s)
+            res["hf"] = hf_rows(dev, dtype, [(64, 48), (64, 128), (16, 512), (256, 128), (64, 256), (32, 512), (64, 512)],
+                                12, 768, 12, a.target_s)
             res["hf"] += hf_rows(dev, dtype, [(64, 512), (128, 256)], 24, 1024, 16, a.target_s, label="bert-large")
             # unpadding's rows: ~50% padding (lengths 1..L)
             res["hf"] += hf_rows(dev, dtype, [(64, 512)], 12, 768, 12, a.target_s, low=0.0)

@@ -52,9 +52,10 @@ import torch
 import torch.nn.functional as F
 
 from . import hf_towers
-from .backends.select import WINDOW, unsupported_reason, variant
+from .backends.select import WINDOW, padded_kernel, unsupported_reason, variant
 from .logs import warn_once
 from .ops import autocast_inputs, ragged_attention
+from .steps import current_step
 
 __all__ = ["register", "attention_forward", "mask_function", "FALLBACKS", "SUPPORTED_VERSIONS", "unpad", "graphed"]
 
@@ -811,6 +812,14 @@ def attention_forward(
         return _stock(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs, reason, layout)
 
     window = kwargs.get("sliding_window")
+    if layout is None and _dense_padded(query, key, value, attention_mask, causal, window, dropout, module, kwargs,
+                                        compiling):
+        # a small padded batch: SDPA with the key-padding mask, no mask read (select.padded_kernel)
+        dense = _cached(attention_mask, ("dense",), lambda: _dense_mask(attention_mask))
+        out = F.scaled_dot_product_attention(
+            cast_q, cast_k, cast_v, attn_mask=dense, scale=scaling, enable_gqa=key.shape[1] != hq
+        )
+        return out.transpose(1, 2).contiguous(), None
     if layout is not None:
         pass  # packed, or no mask
     elif attention_mask.dim() == 2:
@@ -875,6 +884,29 @@ def attention_forward(
     out = ragged_attention(q, k, v, layout.cu_q, layout.cu_k, causal=causal, scale=scaling, window_size=window_size,
                            softcap=softcap, sinks=sinks, dropout_p=dropout_p)
     return out.view(b, sq, hq, d), None
+
+
+def _dense_padded(query, key, value, attention_mask, causal, window, dropout, module, kwargs, compiling) -> bool:
+    """Whether a call runs :func:`select.padded_kernel`'s ``"sdpa"``: an eager CUDA
+    inference call, not causal, on a 2-D key padding mask, no window, soft-cap,
+    sinks or dropout, outside any runtime step (a step asked for plans), and small."""
+    if compiling or attention_mask is None or attention_mask.dim() != 2 or causal or window is not None:
+        return False
+    b, hq, sq, d = query.shape
+    if attention_mask.shape != (b, key.shape[2]) or not query.is_cuda or _needs_grad(query, key, value):
+        return False
+    softcap, sinks = _variants(kwargs)
+    if _dropout_p(module, dropout) or softcap or sinks is not None or current_step() is not None:
+        return False
+    return padded_kernel(b, sq, key.shape[2], hq, d, causal) == "sdpa"
+
+
+def _dense_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The ``[B, 1, 1, Sk]`` bool mask SDPA broadcasts. A row with no valid key sees
+    every key instead (finite values at positions that are all padding, where the
+    ragged path writes zeros), as SDPA would give NaN there."""
+    valid = attention_mask.to(torch.bool)
+    return (valid | ~valid.any(-1, keepdim=True))[:, None, None, :]
 
 
 def _plain_copy(layout: _Segments) -> _Segments:

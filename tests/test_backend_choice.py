@@ -178,3 +178,16 @@ def test_requested_backends_and_what_varlen_cannot_run(varlen_runs, monkeypatch)
     monkeypatch.setattr(flash_backward, "unsupported_reason", lambda device, dtype, head_dim: "no")
     assert _kernel(small) == "fa3" or _kernel(small) == "fa2"
     assert _kernel(small, "varlen") in ("fa2", "fa3")
+
+
+def test_small_padded_encoder_batches_go_to_sdpa_and_the_rest_stay_ragged():
+    """select.padded_kernel: BERT-base batches of the sizes embedding servers send
+    (host-bound forwards) take SDPA with their mask; larger ones, and every causal
+    call, the op."""
+    for b, s in ((64, 48), (64, 128), (16, 512), (256, 128)):
+        assert select.padded_kernel(b, s, s, 12, 64, False) == "sdpa", (b, s)
+        assert select.padded_kernel(b, s, s, 12, 64, True) == "ragged", (b, s)
+    for b, s, h in ((64, 512, 12), (64, 512, 16), (128, 256, 16), (32, 512, 16)):
+        assert select.padded_kernel(b, s, s, h, 64, False) == "ragged", (b, s, h)
+    # cross-attention counts its keys
+    assert select.padded_kernel(64, 48, 48 * 64, 12, 64, False) == "ragged"

@@ -682,3 +682,22 @@ def test_packed_position_ids_give_the_real_segments_eagerly_and_static_slots_com
     assert eager.cu_q.tolist() == [0, 5, 6, 13, 16] and eager.host_q.tolist() == [0, 5, 6, 13, 16]
     assert static.cu_q.numel() == pos.shape[1] + 1  # one slot per token: shapes never change
     assert torch.unique_consecutive(static.cu_q).tolist() == eager.cu_q.tolist()
+
+
+def test_dense_mask_keeps_each_rows_keys_and_gives_keyless_rows_every_key():
+    """The mask a small padded batch hands SDPA: each row its valid keys (any
+    pattern, as the model's own mask), a row with none every key (SDPA would give
+    NaN; those positions are all padding)."""
+    mask = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 1], [0, 0, 0, 0], [1, 0, 1, 0]])
+    dense = hf._dense_mask(mask)
+    assert dense.shape == (4, 1, 1, 4) and dense.dtype == torch.bool
+    assert torch.equal(dense[[0, 1, 3], 0, 0], mask[[0, 1, 3]].bool())
+    assert bool(dense[2].all())
+    q = torch.randn(4, 2, 3, 8)
+    k, v = torch.randn(4, 2, 4, 8), torch.randn(4, 2, 4, 8)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    assert bool(torch.isfinite(out).all())
+    for row in (0, 1, 3):
+        keep = mask[row].bool()
+        want = torch.nn.functional.scaled_dot_product_attention(q[row], k[row][:, keep], v[row][:, keep])
+        torch.testing.assert_close(out[row], want)

@@ -121,16 +121,22 @@ def test_cuda_padded_forward_syncs_once(kind, left):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kind,left", [("bert", False), ("bert", True), ("llama", True)])
-def test_cuda_small_padded_batch_runs_varlen_without_a_plan(kind, left, monkeypatch):
-    """``auto`` runs a small padded batch on FlashAttention-2: no plan, one kernel a
-    layer, the layers after the first through the direct path, and the model's
-    own ``"sdpa"`` output on every valid row."""
+@pytest.mark.parametrize("kind,left,dense", [("bert", False, True), ("bert", True, True), ("llama", True, False),
+                                            ("bert", False, False)])
+def test_cuda_small_padded_batch_runs_without_a_plan(kind, left, dense, monkeypatch):
+    """A small padded batch plans nothing: an encoder's goes to SDPA with its
+    key-padding mask (no read of the mask at all), a decoder's (causal) runs
+    FlashAttention-2, one kernel a layer, the layers after the first through the
+    direct path; the model's own ``"sdpa"`` output on every valid row."""
+    from ragged_compile.backends import select
+
     from ragged_compile.backends import flash_backward
     from ragged_compile.runtime import get_runtime
 
     rt = get_runtime(torch.device("cuda", torch.cuda.current_device()))
     monkeypatch.setattr(rt, "backend", "auto")
+    if not dense:  # the encoder on the ragged path too
+        monkeypatch.setattr(select, "_DENSE_MAX_FLOPS", 0)
     direct = []
     real = flash_backward.forward_unpadded
     monkeypatch.setattr(flash_backward, "forward_unpadded", lambda *a: direct.append(1) or real(*a))
@@ -140,11 +146,21 @@ def test_cuda_small_padded_batch_runs_varlen_without_a_plan(kind, left, monkeypa
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, **kw)
         before, direct[:] = dict(rt.stats), []
-        out = model(input_ids=ids, attention_mask=mask, **kw)[0]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(1)
+            try:
+                out = model(input_ids=ids, attention_mask=mask, **kw)[0]
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
         ran = {name: rt.stats[name] - before.get(name, 0) for name in ("varlen", "flashinfer", "plans")}
         model.set_attn_implementation("sdpa")
         want = model(input_ids=ids, attention_mask=mask, **kw)[0]
-    assert ran == {"varlen": 4, "flashinfer": 0, "plans": 0}, ran
-    assert len(direct) == 3
+    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+    if dense:
+        assert ran == {"varlen": 0, "flashinfer": 0, "plans": 0} and not syncs, (ran, syncs)
+    else:
+        assert ran == {"varlen": 4, "flashinfer": 0, "plans": 0} and len(syncs) <= 1, (ran, syncs)
+        assert len(direct) == 3
     valid = mask.bool()
     torch.testing.assert_close(out[valid].float(), want[valid].float(), atol=3e-2, rtol=3e-2)

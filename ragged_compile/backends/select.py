@@ -23,6 +23,10 @@ backward            :func:`backward_kernel`: ``"fa4"`` (flash-attn-4, SM90) or `
 dropout             :func:`dropout_kernel`: ``"fa2"`` on CUDA, else ``"reference"``
 rewrites, hf.py     :func:`unsupported_reason`: why a call should stay with stock
                     PyTorch, or None
+padded batches      :func:`padded_kernel`: ``"sdpa"`` (PyTorch's SDPA on the padded
+                    tensors with the key-padding mask, no read of the mask) for a
+                    padded encoder batch too small for a ragged kernel's host work
+                    to pay, else ``"ragged"`` (the op)
 variants            :func:`variant`: which of ``"window"``, ``"softcap"``, ``"sinks"`` a
                     call uses (a sorted tuple, ``()`` for plain attention); every
                     function above takes it as ``variant=``
@@ -80,6 +84,7 @@ __all__ = [
     "backward_kernel",
     "fa4_failed",
     "unsupported_reason",
+    "padded_kernel",
 ]
 
 # -- variants ---------------------------------------------------------------------
@@ -544,3 +549,27 @@ def unsupported_reason(
     if reason is not None:
         return f"{reason}, so the op would run the reference kernel on CUDA"
     return None
+
+
+# -- padded batches (hf.py) -------------------------------------------------------------
+
+# A padded batch whose attention is a sliver of work leaves an eager forward
+# host-bound (BERT-base, 12 layers: ~5-6 ms of host time per forward on the H200's
+# host, ~0.45 ms a layer, for any batch up to ~16 x 512 tokens). There the ragged
+# path's host work (the mask read to the host once per forward, the layout, the
+# op's per-call path) is what decides the time, and the padded keys SDPA computes
+# cost nothing anybody waits for. Up to this many FLOPs of padded attention a
+# call, the key-padding mask goes straight to SDPA (bench/results/host.md).
+_DENSE_MAX_FLOPS = 2e10
+
+
+def padded_kernel(batch: int, sq: int, sk: int, hq: int, head_dim: int, causal: bool) -> str:
+    """How an eager, non-causal, inference call on a padded batch (a 2-D key padding
+    mask, no window or other variant) runs: ``"sdpa"`` (PyTorch's
+    ``scaled_dot_product_attention`` on the padded q/k/v with the mask as is:
+    the kernel stock runs, without reading the mask to the host) where the batch
+    is small enough that host work decides its time (``_DENSE_MAX_FLOPS``), else
+    ``"ragged"`` (the op on the mask's layout). Causal calls are always ragged."""
+    if causal:
+        return "ragged"
+    return "sdpa" if 4 * batch * sq * sk * hq * head_dim <= _DENSE_MAX_FLOPS else "ragged"

@@ -815,7 +815,7 @@ def attention_forward(
     if layout is None and _dense_padded(query, key, value, attention_mask, causal, window, dropout, module, kwargs,
                                         compiling):
         # a small padded batch: SDPA with the key-padding mask, no mask read (select.padded_kernel)
-        dense = _cached(attention_mask, ("dense",), lambda: _dense_mask(attention_mask))
+        dense = _cached(attention_mask, ("dense", cast_q.dtype), lambda: _dense_mask(attention_mask, cast_q.dtype))
         out = F.scaled_dot_product_attention(
             cast_q, cast_k, cast_v, attn_mask=dense, scale=scaling, enable_gqa=key.shape[1] != hq
         )
@@ -901,12 +901,16 @@ def _dense_padded(query, key, value, attention_mask, causal, window, dropout, mo
     return padded_kernel(b, sq, key.shape[2], hq, d, causal) == "sdpa"
 
 
-def _dense_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """The ``[B, 1, 1, Sk]`` bool mask SDPA broadcasts. A row with no valid key sees
-    every key instead (finite values at positions that are all padding, where the
-    ragged path writes zeros), as SDPA would give NaN there."""
+def _dense_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[B, 1, 1, Sk]`` additive mask (0 or -inf, in q's dtype) SDPA broadcasts,
+    built once per forward: SDPA converts a bool mask to this at every call (two
+    kernels and ~35 us of host time a layer on the H200, where stock passes one).
+    A row with no valid key sees every key instead (finite values at positions
+    that are all padding, where the ragged path writes zeros), as SDPA would give
+    NaN there."""
     valid = attention_mask.to(torch.bool)
-    return (valid | ~valid.any(-1, keepdim=True))[:, None, None, :]
+    valid = (valid | ~valid.any(-1, keepdim=True))[:, None, None, :]
+    return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
 
 
 def _plain_copy(layout: _Segments) -> _Segments:

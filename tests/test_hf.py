@@ -689,10 +689,12 @@ def test_dense_mask_keeps_each_rows_keys_and_gives_keyless_rows_every_key():
     pattern, as the model's own mask), a row with none every key (SDPA would give
     NaN; those positions are all padding)."""
     mask = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 1], [0, 0, 0, 0], [1, 0, 1, 0]])
-    dense = hf._dense_mask(mask)
-    assert dense.shape == (4, 1, 1, 4) and dense.dtype == torch.bool
-    assert torch.equal(dense[[0, 1, 3], 0, 0], mask[[0, 1, 3]].bool())
-    assert bool(dense[2].all())
+    dense = hf._dense_mask(mask, torch.float32)
+    assert dense.shape == (4, 1, 1, 4) and dense.dtype == torch.float32
+    assert set(dense.unique().tolist()) == {0.0, float("-inf")}
+    assert torch.equal(dense[[0, 1, 3], 0, 0] == 0, mask[[0, 1, 3]].bool())
+    assert bool((dense[2] == 0).all())
+    assert hf._dense_mask(mask, torch.bfloat16).dtype == torch.bfloat16
     q = torch.randn(4, 2, 3, 8)
     k, v = torch.randn(4, 2, 4, 8), torch.randn(4, 2, 4, 8)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)

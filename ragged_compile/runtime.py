@@ -346,7 +346,7 @@ class Runtime:
         if kernel is None:
             kernel = step.kernels[key] = select.cuda_backend(
                 self.backend, self.device, dtype, layout.n, layout.active, layout.active_k, layout.pairs,
-                hq=hq, hkv=hkv, head_dim=d, causal=causal,
+                hq=hq, hkv=hkv, head_dim=d, causal=causal, max_q=layout.max_lens[0],
             )
         return kernel
 

@@ -141,7 +141,7 @@ def _packed(lens):
 def _kernel(layout, requested="auto", hq=12, hkv=12, d=64, causal=False, dtype=torch.bfloat16):
     return select.cuda_backend(
         requested, torch.device("cuda", 0), dtype, layout.n, layout.active, layout.active_k, layout.pairs,
-        hq=hq, hkv=hkv, head_dim=d, causal=causal,
+        hq=hq, hkv=hkv, head_dim=d, causal=causal, max_q=layout.max_lens[0],
     )
 
 
@@ -174,6 +174,11 @@ def test_requested_backends_and_what_varlen_cannot_run(varlen_runs, monkeypatch)
     # past FlashAttention-2's grid limit of segments: FlashInfer, forced or not
     flood = _packed([1] * (flash_backward.MAX_SEGMENTS + 1))
     assert _kernel(flood) != "varlen" and _kernel(flood, "varlen") != "varlen"
+    # one-query segments with GQA: FlashAttention-2's forward folds the group's heads
+    # into rows and fails on empty segments there (found on the H200)
+    decode = _packed([1] * 28 + [0] * 12)
+    assert _kernel(decode, hq=8, hkv=1) != "varlen" and _kernel(decode, "varlen", hq=8, hkv=1) != "varlen"
+    assert _kernel(decode, hq=8, hkv=8) == "varlen"
     # where FlashAttention-2 does not run (an old GPU, another dtype): FlashInfer
     monkeypatch.setattr(flash_backward, "unsupported_reason", lambda device, dtype, head_dim: "no")
     assert _kernel(small) == "fa3" or _kernel(small) == "fa2"

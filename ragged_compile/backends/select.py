@@ -368,6 +368,7 @@ def cuda_backend(
     hkv: int,
     head_dim: int,
     causal: bool,
+    max_q: int = 2,
 ) -> str:
     """The CUDA kernel of a plain (no variant) call on a layout: ``"varlen"``
     (PyTorch's FlashAttention-2, no plan), or FlashInfer's ``"fa2"`` / ``"fa3"``
@@ -381,11 +382,18 @@ def cuda_backend(
     layout has at most ``MAX_SEGMENTS`` segments (its grid has a block row per
     segment) and FlashAttention-2 runs on this GPU, dtype and head dim.
     ``n``: segments; ``active``/``active_k``: those with work on both sides and
-    their keys; ``pairs``: query-key pairs per head (``sum(Lq * Lk)``).
+    their keys; ``pairs``: query-key pairs per head (``sum(Lq * Lk)``); ``max_q``:
+    the longest q segment. FlashAttention-2 never takes one-query segments with
+    GQA: its forward then folds the query heads of a group into rows, assuming
+    every segment holds its one query, and fails on empty ones (a shape error,
+    found by the CUDA fuzz).
     """
     if requested in ("fa2", "fa3"):
         return requested
-    varlen_runs = n <= flash_backward.MAX_SEGMENTS and flash_backward.unsupported_reason(device, dtype, head_dim) is None
+    varlen_runs = (
+        n <= flash_backward.MAX_SEGMENTS and not (max_q == 1 and hq > hkv)
+        and flash_backward.unsupported_reason(device, dtype, head_dim) is None
+    )
     if requested == "varlen":
         if varlen_runs:
             return "varlen"

@@ -6,8 +6,9 @@ The one place that decides, for every device and direction:
 question            answer
 ==================  =====================================================================
 forward             :func:`forward_kernel`: ``"cpu"`` (the fused CPU kernel, cpu.py),
-                    ``"flashinfer"`` (CUDA, flashinfer.py), ``"fa2"`` (CUDA windows,
-                    flash_backward.py) or ``"reference"`` (reference.py: float64,
+                    ``"flashinfer"`` (CUDA, flashinfer.py; :func:`cuda_backend` may
+                    run it on PyTorch's FlashAttention-2 instead), ``"fa2"`` (CUDA
+                    windows, flash_backward.py) or ``"reference"`` (reference.py: float64,
                     other devices, ``RAGGED_COMPILE_REFERENCE``, CUDA calls no fast
                     kernel takes)
 CUDA kernel        :func:`cuda_backend`: ``"varlen"`` (PyTorch's FlashAttention-2, which

@@ -12,7 +12,9 @@ What runs on ``ragged_compile::ragged_attention`` (one call per layer):
   gathered: each row becomes segments ``[padding | tokens | padding]`` whose
   padding segments see no key (padded query rows come back as zeros) or, for
   non-causal and cross-attention, every query row sees the row's valid keys.
-  The layout is device arithmetic of static shape, so it compiles;
+  The layout is device arithmetic of static shape, so it compiles. Eager on
+  CUDA, a small non-causal batch (``select.padded_kernel``) runs SDPA with the
+  key-padding mask instead, reading nothing to the host (see ``_dense_padded``);
 * packed batches: ``cu_seq_lens_q/k`` kwargs (``DataCollatorWithFlattening``),
   or ``position_ids`` restarts when there is no mask;
 * cross-attention with a key padding mask; decoding with a KV cache (our causal

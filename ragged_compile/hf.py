@@ -818,9 +818,7 @@ def attention_forward(
                                         compiling):
         # a small padded batch: SDPA with the key-padding mask, no mask read (select.padded_kernel)
         dense = _cached(attention_mask, ("dense", cast_q.dtype), lambda: _dense_mask(attention_mask, cast_q.dtype))
-        out = F.scaled_dot_product_attention(
-            cast_q, cast_k, cast_v, attn_mask=dense, scale=scaling, enable_gqa=key.shape[1] != hq
-        )
+        out = F.scaled_dot_product_attention(cast_q, cast_k, cast_v, attn_mask=dense, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
     if layout is not None:
         pass  # packed, or no mask
@@ -891,11 +889,14 @@ def attention_forward(
 def _dense_padded(query, key, value, attention_mask, causal, window, dropout, module, kwargs, compiling) -> bool:
     """Whether a call runs :func:`select.padded_kernel`'s ``"sdpa"``: an eager CUDA
     inference call, not causal, on a 2-D key padding mask, no window, soft-cap,
-    sinks or dropout, outside any runtime step (a step asked for plans), and small."""
+    sinks or dropout, outside any runtime step (a step asked for plans), and small.
+    Not with GQA: SDPA's ``enable_gqa`` with a mask leaves its fused kernels."""
     if compiling or attention_mask is None or attention_mask.dim() != 2 or causal or window is not None:
         return False
     b, hq, sq, d = query.shape
-    if attention_mask.shape != (b, key.shape[2]) or not query.is_cuda or _needs_grad(query, key, value):
+    if attention_mask.shape != (b, key.shape[2]) or key.shape[1] != hq or not query.is_cuda:
+        return False
+    if _needs_grad(query, key, value):
         return False
     softcap, sinks = _variants(kwargs)
     if _dropout_p(module, dropout) or softcap or sinks is not None or current_step() is not None:

@@ -94,7 +94,10 @@ def test_gradients_match_float64_autograd(forward, monkeypatch):
 
     if forward == "fa3" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("fa3 needs SM90")
-    monkeypatch.setattr(get_runtime(torch.device("cuda", torch.cuda.current_device())), "backend", forward)
+    rt = get_runtime(torch.device("cuda", torch.cuda.current_device()))
+    monkeypatch.setattr(rt, "backend", forward)
+    kernel = "varlen" if forward == "varlen" else "flashinfer"
+    before = rt.stats[kernel]
     ran = collections.Counter()
 
     @_fuzzed(MAX_EXAMPLES, max_segments=48, max_len=512, max_tiny_segments=256)
@@ -140,6 +143,8 @@ def test_gradients_match_float64_autograd(forward, monkeypatch):
     check()
     print(f"\nCUDA gradient fuzz: ran {ran['examples']} examples ({dict(ran)})")
     assert ran["examples"] >= min(MAX_EXAMPLES, len(EXAMPLES))
+    # the forced forward ran (layouts it cannot take, and those without work, do not)
+    assert rt.stats[kernel] - before >= ran["examples"] // 2
 
 
 VARIANT_EXAMPLES = int(os.environ.get("RAGGED_FUZZ_VARIANT_EXAMPLES", str(MAX_EXAMPLES)))

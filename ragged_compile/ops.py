@@ -130,8 +130,9 @@ def ragged_attention(
     Inputs of any strides are accepted; kernels that need a contiguous last
     dimension copy. GQA/MQA: query head ``h`` uses k/v head ``h // (Hq // Hkv)``
     (as ``enable_gqa=True`` in SDPA). Backward: on CUDA (fp16/bf16, head_dim
-    <= 256, SM80+) a grad-requiring call runs FlashInfer's forward with its LSE
-    and a fused backward (flash-attn-4 on SM90 where installed, else PyTorch's
+    <= 256, SM80+) a grad-requiring call runs a fused forward with its LSE
+    (FlashInfer's, or on small layouts PyTorch's FlashAttention-2's, which needs
+    no plan) and a fused backward (flash-attn-4 on SM90 where installed, else PyTorch's
     FlashAttention-2); on CPU the fused CPU kernel's; elsewhere exact gradients
     from the reference kernel (on CUDA with a warning, once). Which kernel runs
     a call is decided in ``backends/select.py``. Variants: windows and sinks run
@@ -368,7 +369,9 @@ def _ragged_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, w
 def _ragged_attention_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left=-1, window_right=-1,
                            softcap=0.0, sinks=None):
     # FlashInfer through the runtime: it finds the plan of this step's layout
-    # without host work (steps.py), or runs the reference and says why. Windows:
+    # without host work (steps.py), or runs the reference and says why; small
+    # layouts run PyTorch's FlashAttention-2, which needs no plan
+    # (select.cuda_backend). Windows:
     # FlashAttention-2 with the step's host lengths; softcap: FlashInfer, capping
     # at plan time; sinks rescale a fused forward's output by its LSE (the
     # reference where select.cuda_runs_reference says).

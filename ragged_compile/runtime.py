@@ -340,13 +340,13 @@ class Runtime:
     ) -> str:
         """The kernel of a plain CUDA call on ``layout``: ``"varlen"`` (no plan) or
         FlashInfer's ``"fa2"``/``"fa3"`` (:func:`backends.select.cuda_backend`),
-        chosen once per layout and call shape in ``step``."""
-        key = (layout.id, hq, hkv, d, dtype, causal)
+        chosen once per layout, call shape and requested backend in ``step``."""
+        key = (layout.id, hq, hkv, d, dtype, causal, self.backend)
         kernel = step.kernels.get(key)
         if kernel is None:
             kernel = step.kernels[key] = select.cuda_backend(
                 self.backend, self.device, dtype, layout.n, layout.active, layout.active_k, layout.pairs,
-                hq=hq, hkv=hkv, head_dim=d, causal=causal, max_q=layout.max_lens[0],
+                hq=hq, hkv=hkv, head_dim=d, causal=causal, max_q=layout.max_lens[0], total_q=layout.total_q,
             )
         return kernel
 

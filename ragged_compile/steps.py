@@ -267,6 +267,7 @@ class _Resolved:
     stream: int
     slot: object  # FlashInfer's planned wrapper, or None for "varlen"
     backend: str | None
+    requested: str  # the runtime's backend then: a change takes effect at the next call
     max_lens: tuple[int, int] | None = None  # "varlen": its grid, from the host layout
 
 
@@ -294,7 +295,7 @@ def fast_attention(q, k, v, cu_q, cu_k, causal: bool, scale) -> torch.Tensor | N
     ):
         return None
     rt = step.runtime
-    if rt._current_stream() != hit.stream:
+    if rt._current_stream() != hit.stream or rt.backend != hit.requested:
         return None
     if hit.slot is None:  # PyTorch's FlashAttention-2: no plan, the layout's grid
         if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -471,7 +472,7 @@ class PlannedStep(Step):
         key = (id(cu_q), id(cu_k), q.shape, k.shape, q.dtype, causal, scale)
         self.fast[key] = _Resolved(
             weakref.ref(cu_q), weakref.ref(cu_k), vq, vk, cu_q.shape[0], q.get_device(),
-            self.runtime._current_stream(), slot, self.runtime.last_backend, max_lens,
+            self.runtime._current_stream(), slot, self.runtime.last_backend, self.runtime.backend, max_lens,
         )
         _local.last = weakref.ref(self)
 

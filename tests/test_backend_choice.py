@@ -141,7 +141,7 @@ def _packed(lens):
 def _kernel(layout, requested="auto", hq=12, hkv=12, d=64, causal=False, dtype=torch.bfloat16):
     return select.cuda_backend(
         requested, torch.device("cuda", 0), dtype, layout.n, layout.active, layout.active_k, layout.pairs,
-        hq=hq, hkv=hkv, head_dim=d, causal=causal, max_q=layout.max_lens[0],
+        hq=hq, hkv=hkv, head_dim=d, causal=causal, max_q=layout.max_lens[0], total_q=layout.total_q,
     )
 
 
@@ -179,6 +179,7 @@ def test_requested_backends_and_what_varlen_cannot_run(varlen_runs, monkeypatch)
     decode = _packed([1] * 28 + [0] * 12)
     assert _kernel(decode, hq=8, hkv=1) != "varlen" and _kernel(decode, "varlen", hq=8, hkv=1) != "varlen"
     assert _kernel(decode, hq=8, hkv=8) == "varlen"
+    assert _kernel(_packed([1] * 40), hq=8, hkv=1) == "varlen"  # one query in every segment: it folds right
     # where FlashAttention-2 does not run (an old GPU, another dtype): FlashInfer
     monkeypatch.setattr(flash_backward, "unsupported_reason", lambda device, dtype, head_dim: "no")
     assert _kernel(small) == "fa3" or _kernel(small) == "fa2"

@@ -123,7 +123,7 @@ def test_cuda_padded_forward_syncs_once(kind, left):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind,left,dense", [("bert", False, True), ("bert", True, True), ("llama", True, False),
                                             ("bert", False, False)])
-def test_cuda_small_padded_batch_runs_without_a_plan(kind, left, dense, monkeypatch):
+def test_cuda_small_padded_batch_runs_without_a_plan(kind, left, dense, monkeypatch, caplog):
     """A small padded batch plans nothing: an encoder's goes to SDPA with its
     key-padding mask (no read of the mask at all), a decoder's (causal) runs
     FlashAttention-2, one kernel a layer, the layers after the first through the
@@ -146,7 +146,7 @@ def test_cuda_small_padded_batch_runs_without_a_plan(kind, left, dense, monkeypa
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, **kw)
         before, direct[:] = dict(rt.stats), []
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, caplog.at_level("WARNING", logger="ragged_compile"):
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode(1)
             try:
@@ -157,6 +157,7 @@ def test_cuda_small_padded_batch_runs_without_a_plan(kind, left, dense, monkeypa
         model.set_attn_implementation("sdpa")
         want = model(input_ids=ids, attention_mask=mask, **kw)[0]
     syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+    assert "runs the model's own" not in caplog.text  # the route is not a fallback
     if dense:
         assert ran == {"varlen": 0, "flashinfer": 0, "plans": 0} and not syncs, (ran, syncs)
     else:

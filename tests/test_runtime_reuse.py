@@ -609,3 +609,20 @@ def test_varlen_training_forward_hands_its_lse_to_the_backward_as_it_is(fake_var
     torch.testing.assert_close(out, _want(q, k, v, cu))
     torch.testing.assert_close(lse, reference_lse(q, k, cu, cu, True, 0.3))
     assert max_lens == (30, 30) and rt.stats["plans"] == 0 and rt.stats["varlen"] == 1
+
+
+def test_a_changed_backend_takes_effect_on_layouts_already_seen(fake_varlen):
+    from ragged_compile.steps import fast_attention
+
+    rt, call, launches = fake_varlen
+    q, k, v = _qkv(60, d=16)
+    cu = _cu([10, 20, 30])
+    call(q, k, v, cu, cu)
+    assert fast_attention(q, k, v, cu, cu, True, 0.3) is not None and rt.stats["varlen"] == 2
+    rt.backend = "fa2"
+    assert fast_attention(q, k, v, cu, cu, True, 0.3) is None
+    torch.testing.assert_close(call(q, k, v, cu, cu), _want(q, k, v, cu))
+    assert rt.stats["flashinfer"] == 1 and rt.stats["plans"] == 1 and rt.stats["varlen"] == 2
+    rt.backend = "varlen"
+    call(q, k, v, cu, cu)
+    assert rt.stats["varlen"] == 3 and rt.stats["plans"] == 1

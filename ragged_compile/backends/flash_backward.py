@@ -1,8 +1,10 @@
 """PyTorch's FlashAttention-2 varlen kernels: its backward
 (`aten._flash_attention_backward`) is the CUDA backward of every training call
 FlashAttention-4 does not take, and its forward (`aten._flash_attention_forward`)
-runs sliding windows, which FlashInfer's ragged kernels bound on the left only.
-They ship in every CUDA wheel of torch (SM80+).
+runs sliding windows, which FlashInfer's ragged kernels bound on the left only,
+and plain calls on layouts too small for a FlashInfer plan to pay
+(``select.cuda_backend``: ``"varlen"``). They ship in every CUDA wheel of torch
+(SM80+).
 
 Contract of the aten kernel (torch 2.11 and 2.13, read from
 ``torch/nn/attention/varlen.py`` and ``aten/src/ATen/native/transformers/cuda/attention_backward.cu``,

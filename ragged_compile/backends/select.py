@@ -11,7 +11,7 @@ forward             :func:`forward_kernel`: ``"cpu"`` (the fused CPU kernel, cpu
                     windows, flash_backward.py) or ``"reference"`` (reference.py: float64,
                     other devices, ``RAGGED_COMPILE_REFERENCE``, CUDA calls no fast
                     kernel takes)
-CUDA kernel        :func:`cuda_backend`: ``"varlen"`` (PyTorch's FlashAttention-2, which
+CUDA kernel         :func:`cuda_backend`: ``"varlen"`` (PyTorch's FlashAttention-2, which
                     plans nothing) where a FlashInfer plan would cost more host time
                     than its kernel saves over a forward, else FlashInfer's ``"fa2"``
                     or ``"fa3"`` (:func:`flashinfer_backend`), from cost tables
@@ -370,6 +370,7 @@ def cuda_backend(
     head_dim: int,
     causal: bool,
     max_q: int = 2,
+    total_q: int | None = None,
 ) -> str:
     """The CUDA kernel of a plain (no variant) call on a layout: ``"varlen"``
     (PyTorch's FlashAttention-2, no plan), or FlashInfer's ``"fa2"`` / ``"fa3"``
@@ -383,16 +384,16 @@ def cuda_backend(
     layout has at most ``MAX_SEGMENTS`` segments (its grid has a block row per
     segment) and FlashAttention-2 runs on this GPU, dtype and head dim.
     ``n``: segments; ``active``/``active_k``: those with work on both sides and
-    their keys; ``pairs``: query-key pairs per head (``sum(Lq * Lk)``); ``max_q``:
-    the longest q segment. FlashAttention-2 never takes one-query segments with
-    GQA: its forward then folds the query heads of a group into rows, assuming
-    every segment holds its one query, and fails on empty ones (a shape error,
-    found by the CUDA fuzz).
+    their keys; ``pairs``: query-key pairs per head (``sum(Lq * Lk)``); ``max_q``
+    and ``total_q``: the longest q segment and the q tokens. With GQA and at most
+    one query a segment, FlashAttention-2's forward folds a group's query heads
+    into rows, assuming every segment holds exactly one query: it fails on empty
+    ones (a shape error, found by the CUDA fuzz), so such layouts plan FlashInfer.
     """
     if requested in ("fa2", "fa3"):
         return requested
     varlen_runs = (
-        n <= flash_backward.MAX_SEGMENTS and not (max_q == 1 and hq > hkv)
+        n <= flash_backward.MAX_SEGMENTS and not (max_q == 1 and hq > hkv and total_q != n)
         and flash_backward.unsupported_reason(device, dtype, head_dim) is None
     )
     if requested == "varlen":

@@ -255,11 +255,8 @@ class GraphOwner:
         capacity), not yet planned for a real layout. ``sequences``: the real
         sequences it serves, which choose fa2/fa3 and ``split_kv="auto"``."""
         hq, hkv, d, dtype, causal, scale = config
-        # graph mode plans FlashInfer (its kernels read the plan a replay rewrites):
-        # a runtime asking for PyTorch's FlashAttention-2 gets auto's FlashInfer family
-        requested = "auto" if self.runtime.backend == "varlen" else self.runtime.backend
-        backend = select.flashinfer_backend(
-            requested, self.runtime.device, sequences, rows_k,
+        backend = select.flashinfer_backend(  # graph mode plans FlashInfer, "varlen" runtimes too
+            self.runtime.backend, self.runtime.device, sequences, rows_k,
             hq=hq, hkv=hkv, head_dim=d, causal=causal,
         )
         split_kv = self.split_kv

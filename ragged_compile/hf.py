@@ -814,7 +814,9 @@ def attention_forward(
         return _stock(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs, reason, layout)
 
     window = kwargs.get("sliding_window")
-    if layout is None and _dense_padded(query, key, value, attention_mask, causal, window, dropout, module, kwargs,
+    dropout_p = _dropout_p(module, dropout)
+    softcap, sinks = _variants(kwargs)
+    if layout is None and _dense_padded(query, key, value, attention_mask, causal, window, dropout_p, softcap, sinks,
                                         compiling):
         # a small padded batch: SDPA with the key-padding mask, no mask read (select.padded_kernel)
         dense = _cached(attention_mask, ("dense", cast_q.dtype), lambda: _dense_mask(attention_mask, cast_q.dtype))
@@ -866,7 +868,6 @@ def attention_forward(
                 window_size = (-1, -1)
             else:
                 reason = f"{UNSUPPORTED} ({why})"
-    dropout_p = _dropout_p(module, dropout)
     if reason is None and dropout_p and window_size != (-1, -1):
         reason = f"{DROPOUT} (with a sliding window: no kernel takes both)"
     if reason is not None:
@@ -880,13 +881,12 @@ def attention_forward(
         # and unmodified (its implicit step: address and version); inference tensors
         # have no version. A plain copy, once per forward where the layout is cached.
         layout = _cached(layout.cu_q, ("plain", id(layout.cu_k)), lambda: _plain_copy(layout))
-    softcap, sinks = _variants(kwargs)
     out = ragged_attention(q, k, v, layout.cu_q, layout.cu_k, causal=causal, scale=scaling, window_size=window_size,
                            softcap=softcap, sinks=sinks, dropout_p=dropout_p)
     return out.view(b, sq, hq, d), None
 
 
-def _dense_padded(query, key, value, attention_mask, causal, window, dropout, module, kwargs, compiling) -> bool:
+def _dense_padded(query, key, value, attention_mask, causal, window, dropout_p, softcap, sinks, compiling) -> bool:
     """Whether a call runs :func:`select.padded_kernel`'s ``"sdpa"``: an eager CUDA
     inference call, not causal, on a 2-D key padding mask, no window, soft-cap,
     sinks or dropout, outside any runtime step (a step asked for plans), and small.
@@ -898,8 +898,7 @@ def _dense_padded(query, key, value, attention_mask, causal, window, dropout, mo
         return False
     if _needs_grad(query, key, value):
         return False
-    softcap, sinks = _variants(kwargs)
-    if _dropout_p(module, dropout) or softcap or sinks is not None or current_step() is not None:
+    if dropout_p or softcap or sinks is not None or current_step() is not None:
         return False
     return padded_kernel(b, sq, key.shape[2], hq, d, causal) == "sdpa"
 

@@ -319,8 +319,8 @@ class Runtime:
             return hit[0]
         if backend is None:
             backend = select.flashinfer_backend(
-                "auto" if self.backend == "varlen" else self.backend, self.device, max(layout.active, 1),
-                layout.active_k, hq=hq, hkv=hkv, head_dim=d, causal=causal, pairs=layout.pairs,
+                self.backend, self.device, max(layout.active, 1), layout.active_k,
+                hq=hq, hkv=hkv, head_dim=d, causal=causal, pairs=layout.pairs,
             )
         self.last_backend = backend
         # a wrapper per variant too: a model alternating windowed and full layers plans

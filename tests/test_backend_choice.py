@@ -197,3 +197,13 @@ def test_small_padded_encoder_batches_go_to_sdpa_and_the_rest_stay_ragged():
         assert select.padded_kernel(b, s, s, h, 64, False) == "ragged", (b, s, h)
     # cross-attention counts its keys
     assert select.padded_kernel(64, 48, 48 * 64, 12, 64, False) == "ragged"
+
+
+def test_a_varlen_runtime_that_must_plan_gets_flashinfers_auto_family(sm90):
+    """Graph mode, variants and layouts FlashAttention-2 cannot take plan FlashInfer:
+    a runtime asking for ``"varlen"`` then gets what ``"auto"`` picks."""
+    dev = torch.device("cuda", 0)
+    for n, total in ((4, 32768), (2000, 2000 * 17)):
+        assert select.flashinfer_backend("varlen", dev, n, total, hq=16, hkv=16) == select.flashinfer_backend(
+            "auto", dev, n, total, hq=16, hkv=16
+        )

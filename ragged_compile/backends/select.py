@@ -302,7 +302,10 @@ def flashinfer_backend(
     causal: bool = False,
     pairs: int | None = None,
 ) -> str:
-    """Resolve ``"auto"`` to ``"fa2"`` or ``"fa3"`` for one layout; pass others through.
+    """Resolve ``"auto"`` to ``"fa2"`` or ``"fa3"`` for one layout; pass ``"fa2"`` and
+    ``"fa3"`` through. ``"varlen"`` (a runtime asking for PyTorch's
+    FlashAttention-2, on a call that must plan FlashInfer: a layout it cannot
+    take, a variant, a CUDA graph) resolves as ``"auto"``.
 
     fa3 exists on SM90 only. There, the measured cost table picks fa3 where it
     is predicted at least 2% faster than fa2 (long segments; short causal
@@ -312,7 +315,7 @@ def flashinfer_backend(
     what fa3 can save per call; fa2 runs where that does not pay for fa3's
     costlier plan (``_FA3_EXTRA_PLAN_S``) over a forward's layers.
     """
-    if requested != "auto":
+    if requested not in ("auto", "varlen"):
         return requested
     if not _is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
         return "fa2"
@@ -369,8 +372,8 @@ def cuda_backend(
     hkv: int,
     head_dim: int,
     causal: bool,
-    max_q: int = 2,
-    total_q: int | None = None,
+    max_q: int,
+    total_q: int,
 ) -> str:
     """The CUDA kernel of a plain (no variant) call on a layout: ``"varlen"``
     (PyTorch's FlashAttention-2, no plan), or FlashInfer's ``"fa2"`` / ``"fa3"``
@@ -396,11 +399,9 @@ def cuda_backend(
         n <= flash_backward.MAX_SEGMENTS and not (max_q == 1 and hq > hkv and total_q != n)
         and flash_backward.unsupported_reason(device, dtype, head_dim) is None
     )
-    if requested == "varlen":
-        if varlen_runs:
-            return "varlen"
-        requested = "auto"
-    elif requested == "auto" and varlen_runs and not _plan_pays(
+    if requested == "varlen" and varlen_runs:
+        return "varlen"
+    if requested == "auto" and varlen_runs and not _plan_pays(
         active_k / max(active, 1), pairs, hq, flash_backward.fa2_head_dim(head_dim), causal
     ):
         return "varlen"

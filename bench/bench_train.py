@@ -61,6 +61,21 @@ SWEEP_HEADS = ((16, 16, 128), (32, 8, 128), (16, 16, 64), (16, 16, 80), (8, 8, 2
 
 
 @contextlib.contextmanager
+def fa4_pad(mode: str | None):
+    """Force how flash-attn-4's isolation layout is written (RAGGED_COMPILE_FA4_PAD)."""
+    old = os.environ.get("RAGGED_COMPILE_FA4_PAD")
+    if mode is not None:
+        os.environ["RAGGED_COMPILE_FA4_PAD"] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("RAGGED_COMPILE_FA4_PAD", None)
+        else:
+            os.environ["RAGGED_COMPILE_FA4_PAD"] = old
+
+
+@contextlib.contextmanager
 def backward(kernel: str | None):
     """Force the op's CUDA backward (read per call from RAGGED_COMPILE_BACKWARD)."""
     old = os.environ.get("RAGGED_COMPILE_BACKWARD")
@@ -172,27 +187,31 @@ def bench_backward_sweep(args, dev) -> list[dict]:
     """Forward+backward through the op with its backward forced to FA2 and to FA4, on
     one runtime step per row (so both share the planned forward), interleaved."""
     rows = []
+    heads = SWEEP_HEADS if not args.sweep_heads else [
+        tuple(int(x) for x in h.split("/")) for h in args.sweep_heads.split(",")]
     for kind in SWEEP_KINDS:
-        for hq, hkv, d in SWEEP_HEADS:
+        for hq, hkv, d in heads:
             for causal in (False, True):
                 c = Case(f"{kind}_{hq}_{hkv}_{d}", kind, hq, hkv, d, causal, dev=dev, smoke=args.smoke, seed=7)
                 q, k, v = (t.requires_grad_() for t in (c.q, c.k, c.v))
                 go = torch.randn_like(c.q)
                 row = {"kind": kind, "hq": c.hq, "hkv": c.hkv, "d": d, "causal": causal, "segments": c.n,
-                       "tokens": c.total, "max_len": c.max_len}
-                for kernel in ("fa2", "fa4"):
+                       "tokens": c.total, "max_len": c.max_len, "pairs": sum(n * n for n in c.lens)}
+                for kernel, pad in (("fa2", None), ("fa4", "copies"), ("fa4", "fused")):
+                    label = kernel if pad in (None, "copies") else f"{kernel}_{pad}"
                     rt = Runtime(dev)
                     try:
-                        with rt.step(), backward(kernel):
+                        with rt.step(), backward(kernel), fa4_pad(pad):
                             def step():
                                 out = rc.ragged_attention(q, k, v, c.cu, causal=causal)
                                 return torch.autograd.grad(out, (q, k, v), go)
                             step()
-                            row[f"{kernel}_ms"] = timed(step, dev, args.reps, warmup=2)["ms"]
+                            row[f"{label}_ms"] = timed(step, dev, args.reps, warmup=2)["ms"]
                     except Exception as e:  # noqa: BLE001 - record, keep going
-                        row[f"{kernel}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                if "fa2_ms" in row and "fa4_ms" in row:
-                    row["fa4_over_fa2"] = row["fa4_ms"] / row["fa2_ms"]
+                        row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                for label in ("fa4", "fa4_fused"):
+                    if "fa2_ms" in row and f"{label}_ms" in row:
+                        row[f"{label}_over_fa2"] = row[f"{label}_ms"] / row["fa2_ms"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 del c, q, k, v, go
@@ -202,9 +221,10 @@ def bench_backward_sweep(args, dev) -> list[dict]:
 
 
 # -------------------------------------------------------------------------- end to end
-def e2e_setup(dev, smoke: bool) -> SimpleNamespace:
-    """The training step's model (NJT form; ``varlen`` is its packed attention) and inputs."""
-    lens = list(lengths_for("mixed", smoke))
+def e2e_setup(dev, smoke: bool, layout: str = "mixed") -> SimpleNamespace:
+    """The training step's model (NJT form; ``varlen`` is its packed attention) and inputs,
+    on one layout class of layouts.py (``mixed``, or ``vit``: patch-grid segments)."""
+    lens = list(lengths_for(layout, smoke))
     d, heads, layers = (256, 4, 2) if smoke else (2048, 16, 8)
     T, m = sum(lens), max(lens)
     cu = cu_seqlens(lens, dev)
@@ -255,9 +275,9 @@ E2E_VARIANTS = ("ours", "ours_fa2", "njt_sdpa_compiled", "varlen_compiled")
 
 
 def bench_e2e(args, dev) -> dict:
-    s = e2e_setup(dev, args.smoke)
+    s = e2e_setup(dev, args.smoke, args.e2e_layout)
     cuda = dev.type == "cuda"
-    res = {"lengths": s.lens, "tokens": s.tokens, "d": s.d, "heads": s.heads, "layers": s.layers}
+    res = {"layout": args.e2e_layout, "lengths": s.lens, "tokens": s.tokens, "d": s.d, "heads": s.heads, "layers": s.layers}
     for name in E2E_VARIANTS:
         if args.only_impl and name not in args.only_impl:
             continue
@@ -317,17 +337,20 @@ def render(results: dict) -> str:
         lines.append("")
     if "bwd_sweep" in results:
         lines += ["## Backward sweep: forward+backward ms with FA2's and FA4's backward", "",
-                  "| layout | heads q/kv x d | causal | FA2 | FA4 | FA4 / FA2 |", "|---|---|---|---|---|---|"]
+                  "| layout | heads q/kv x d | causal | FA2 | FA4 (copies) | FA4 (fused pad) | FA4 / FA2 | FA4 fused / FA2 |",
+                  "|---|---|---|---|---|---|---|---|"]
+
+        def num(x):
+            return "-" if x is None else f"{x:.2f}"
+
         for r in results["bwd_sweep"]:
-            f2, f4 = r.get("fa2_ms"), r.get("fa4_ms")
-            ratio = r.get("fa4_over_fa2")
             lines.append(f"| {r['kind']} ({r['segments']} x <= {r['max_len']}) | {r['hq']}/{r['hkv']} x {r['d']} | {r['causal']} | "
-                         f"{'-' if f2 is None else f'{f2:.2f}'} | {'-' if f4 is None else f'{f4:.2f}'} | "
-                         f"{'-' if ratio is None else f'{ratio:.2f}'} |")
+                         f"{num(r.get('fa2_ms'))} | {num(r.get('fa4_ms'))} | {num(r.get('fa4_fused_ms'))} | "
+                         f"{num(r.get('fa4_over_fa2'))} | {num(r.get('fa4_fused_over_fa2'))} |")
         lines.append("")
     if "e2e" in results:
         e = results["e2e"]
-        lines += [f"## {e['layers']}-layer d={e['d']} encoder training step, {e['tokens']} tokens (forward, backward, AdamW)", "",
+        lines += [f"## {e['layers']}-layer d={e['d']} encoder training step, {e.get('layout', 'mixed')} layout, {e['tokens']} tokens (forward, backward, AdamW)", "",
                   "| implementation | ms/step | tokens/s | peak GiB | first step s |", "|---|---|---|---|---|"]
         for name in E2E_VARIANTS:
             r = e.get(name, {})
@@ -350,6 +373,8 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--e2e-reps", type=int, default=10)
+    p.add_argument("--e2e-layout", choices=["mixed", "vit"], default="mixed")
+    p.add_argument("--sweep-heads", default="", help="the sweep's head shapes, e.g. 16/16/128,32/8/128 (default: all)")
     args = p.parse_args()
     if args.smoke:
         args.reps, args.e2e_reps = min(args.reps, 3), min(args.e2e_reps, 2)
@@ -363,7 +388,7 @@ def main() -> None:
     if args.only == "bwd-sweep":  # not in the default run: ~100 rows
         results["bwd_sweep"] = bench_backward_sweep(args, dev)
     os.makedirs(args.out, exist_ok=True)
-    suffix = "" if args.only is None else f"-{args.only}"
+    suffix = ("" if args.only is None else f"-{args.only}") + ("" if args.e2e_layout == "mixed" else f"-{args.e2e_layout}")
     with open(os.path.join(args.out, f"train{suffix}.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     md = render(results)

@@ -12,10 +12,10 @@ variable                      values                   read
                               ``varlen``               (the CUDA forward: FlashInfer's kernel
                                                        family, or PyTorch's FlashAttention-2).
 ``RAGGED_COMPILE_BACKWARD``   ``auto``/``fa2``/``fa4``   at every training backward on CUDA.
-``RAGGED_COMPILE_FA4_PAD``    ``copies``/``fused``     at every flash-attn-4 backward: how its
-                                                       isolation layout is written (PyTorch's
-                                                       copies, or one Triton gather a side;
-                                                       backends/tile_pad.py).
+``RAGGED_COMPILE_FA4_PAD``    ``fused``/``copies``     at every flash-attn-4 backward: how its
+                                                       isolation layout is written (one Triton
+                                                       gather a side where triton is installed,
+                                                       or PyTorch's copies; backends/tile_pad.py).
 ============================  =======================  ==========================================
 
 A flag is on for any value but ``""``, ``0``, ``false``, ``no`` and ``off``
@@ -36,7 +36,7 @@ FA4_PAD = "RAGGED_COMPILE_FA4_PAD"
 
 BACKENDS = ("auto", "fa2", "fa3", "varlen")
 BACKWARDS = ("auto", "fa2", "fa4")
-FA4_PADS = ("copies", "fused")
+FA4_PADS = ("fused", "copies")
 
 _OFF = ("", "0", "false", "no", "off")
 

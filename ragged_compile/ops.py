@@ -12,9 +12,9 @@ dsinks)``
 ``ragged_attention_lse(q, k, v, cu_q, cu_k,      the training forward: also the LSE (fp32
 causal, scale, *V) -> (out, lse, max_lens)``     ``[Hq, Tq]``, natural log, ``+inf`` for
                                                  rows that see no key: aten's layout) and
-                                                 ``max_lens``, a CPU int64 ``[max_q, max_k]``
-                                                 from the host layout, so the backward
-                                                 needs no device-to-host sync
+                                                 ``max_lens``, a CPU int64 ``[max_q, max_k,
+                                                 pairs]`` from the host layout, so the
+                                                 backward needs no device-to-host sync
 ``ragged_attention_lse_backward(grad_out, q, k,  the fused backward: flash-attn-4 or
 v, out, lse, cu_q, cu_k, max_lens, causal,       FlashAttention-2 on CUDA, the CPU
 scale, *V) -> (dq, dk, dv, dsinks)``             kernel's on CPU (reusing the LSE)
@@ -479,7 +479,7 @@ def _ragged_attention_lse(
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
     variant = select.variant(causal, (window_left, window_right), softcap, sinks)
     if select.forward_kernel(q.device, q.dtype, q.shape[-1], variant) == "cpu":
-        max_lens = _max_lens(q, k, cu_seqlens_q, cu_seqlens_k)
+        max_lens = _max_lens(q, k, cu_seqlens_q, cu_seqlens_k, pairs=True)
         out, lse = cpu_kernel.cpu_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, return_lse=True,
             window_size=(window_left, window_right), sinks=sinks,
@@ -488,13 +488,18 @@ def _ragged_attention_lse(
     return _reference_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right, softcap, sinks)
 
 
-def _max_lens(q, k, cu_seqlens_q, cu_seqlens_k) -> torch.Tensor:
+def _max_lens(q, k, cu_seqlens_q, cu_seqlens_k, pairs: bool = False) -> torch.Tensor:
+    """CPU int64 ``[max_q, max_k]`` (and, with ``pairs``, the query-key pair count per
+    head: the LSE op's third entry, which picks its CUDA backward's kernel)."""
     lens_q, lens_k = check_values(q, k, cu_seqlens_q, cu_seqlens_k)
-    return torch.tensor([int(x.max()) if x.numel() else 0 for x in (lens_q, lens_k)], dtype=torch.int64)
+    got = [int(x.max()) if x.numel() else 0 for x in (lens_q, lens_k)]
+    if pairs:
+        got.append(int((lens_q.long() * lens_k.long()).sum()))
+    return torch.tensor(got, dtype=torch.int64)
 
 
 def _reference_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right, softcap, sinks):
-    max_lens = _max_lens(q, k, cu_seqlens_q, cu_seqlens_k)
+    max_lens = _max_lens(q, k, cu_seqlens_q, cu_seqlens_k, pairs=True)
     kw = _variants(window_left, window_right, softcap, sinks)
     out = reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, **kw)
     return out, reference_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal, scale, **kw), max_lens
@@ -507,7 +512,7 @@ def _ragged_attention_lse_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scal
     check_variants_meta(q, window_left, window_right, softcap, sinks)
     out = q.new_empty(q.shape)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-    return out, lse, torch.empty(2, dtype=torch.int64, device="cpu")
+    return out, lse, torch.empty(3, dtype=torch.int64, device="cpu")
 
 
 @_ragged_attention_lse.register_kernel("cuda")
@@ -557,7 +562,7 @@ def _ragged_attention_lse_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens_
         lse.dim() == 2 and lse.shape[0] == q.shape[1] and lse.shape[1] == q.shape[0],
         lambda: f"lse must be [Hq, Tq] = {(q.shape[1], q.shape[0])}, got {tuple(lse.shape)}",
     )
-    torch._check(max_lens.numel() == 2, lambda: "max_lens must hold [max_q, max_k]")
+    torch._check(max_lens.numel() == 3, lambda: "max_lens must hold [max_q, max_k, pairs]")
     check_variants_meta(q, window_left, window_right, softcap, sinks)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks_fake(q, sinks)
 
@@ -572,18 +577,20 @@ def _ragged_attention_lse_backward_cuda(
     if select.cuda_runs_reference(q.device, q.dtype, q.shape[-1], variant, training=True, causal=causal, window=window):
         args = (grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
         return _exact_backward(*args, window_left, window_right, softcap, sinks)
-    max_q, max_k = max_lens.tolist()  # a CPU tensor: no sync
-    grads = _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale,
+    lens = tuple(max_lens.tolist())  # a CPU tensor: no sync
+    grads = _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, lens, causal, scale,
                            _window(variant, window), variant)
     if sinks is not None:  # out and lse are with_sinks': the sinks' own gradient from them
         grads = (*grads, flash_backward.sinks_grad(grad_out, out, lse, sinks))
     return _with_dsinks(grads, q)
 
 
-def _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, causal, scale,
+def _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, lens: tuple[int, int, int], causal, scale,
                    window=(-1, -1), variant=()):
-    layout = (cu_seqlens_q.numel() - 1, q.shape[0], k.shape[0])
-    if select.backward_kernel(q.device, q.dtype, q.shape[-1], layout, variant) == "fa4":
+    """(dq, dk, dv) on CUDA; ``lens``: (max_q, max_k, pairs) from the forward's host layout."""
+    max_q, max_k, pairs = lens
+    work = select.backward_work(q.shape[1], k.shape[1], q.shape[0], pairs, causal)
+    if select.backward_kernel(q.device, q.dtype, q.shape[-1], work, variant) == "fa4":
         try:
             return fa4_backward.backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale)
         except Exception as err:  # noqa: BLE001 - select decides: re-raise, or FA2 from now on
@@ -599,16 +606,16 @@ class _EagerTraining(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, causal, scale):
-        out, lse, (max_q, max_k) = get_runtime(q.device).attention_with_lse(q, k, v, cu_q, cu_k, causal, scale)
+        out, lse, lens = get_runtime(q.device).attention_with_lse(q, k, v, cu_q, cu_k, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.lens, ctx.causal, ctx.scale = (max_q, max_k), causal, scale
+        ctx.lens, ctx.causal, ctx.scale = lens, causal, scale
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        dq, dk, dv = _cuda_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.lens, ctx.causal, ctx.scale)
+        dq, dk, dv = _cuda_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, ctx.lens, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None, None, None  # calls without variants only
 
 

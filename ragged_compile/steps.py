@@ -86,7 +86,8 @@ class Step(abc.ABC):
     @abc.abstractmethod
     def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1),
                            trains: bool = True):
-        """The training forward's CUDA kernel: ``(out, lse, (max_q, max_k))``;
+        """The training forward's CUDA kernel: ``(out, lse, (max_q, max_k, pairs))``
+        (``pairs``: query-key pairs per head, which picks the backward's kernel);
         ``trains=False``: an inference call that needs the LSE (sinks)."""
 
     @abc.abstractmethod
@@ -483,24 +484,26 @@ class PlannedStep(Step):
                            trains: bool = True):
         """:meth:`attention` for training: also the LSE in the backward's layout
         (``[Hq, Tq]`` fp32, natural log, ``+inf`` for keyless rows; see
-        backends/flash_backward.py) and the longest q and k segment from the host
-        layout, so the backward needs no sync. The caller checked support.
+        backends/flash_backward.py) and the longest q and k segment and the pair
+        count from the host layout, so the backward needs no sync. The caller
+        checked support.
         ``trains``: the runtime keeps the step for recomputes (not for inference)."""
         rt = self.runtime
         self.trains = self.trains or trains
         total_q, total_k = q.shape[0], k.shape[0]
         layout = self._checked_layout(q, k, cu_q, cu_k)
         max_lens = layout.max_lens
+        lens = (*max_lens, layout.pairs)
         if window != (-1, -1):  # FlashAttention-2's forward, whose LSE its backward takes as it is
             rt.count("fa2")
             rt.last_backend = "fa2"
             if not trains:  # a backward takes the call's offsets: the forward must match them
                 cu_q, cu_k = layout.fa2_offsets(q.device, cu_q, cu_k)
             out, lse = flash_backward.forward(q, k, v, cu_q, cu_k, *max_lens, causal, scale, window)
-            return out, lse, max_lens
+            return out, lse, lens
         if total_q == 0 or total_k == 0:
             lse = torch.full((q.shape[1], total_q), float("inf"), dtype=torch.float32, device=q.device)
-            return q.new_zeros(q.shape), lse, max_lens
+            return q.new_zeros(q.shape), lse, lens
         kernel = rt.kernel(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal)
         if kernel == "varlen":
             # its LSE is already the backward's (no conversion); varlen runs only
@@ -508,11 +511,11 @@ class PlannedStep(Step):
             rt.count("varlen")
             rt.last_backend = "varlen"
             out, lse = flash_backward.forward(q, k, v, cu_q, cu_k, *max_lens, causal, scale)
-            return out, lse, max_lens
+            return out, lse, lens
         slot = rt.plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale, backend=kernel)
         rt.count("flashinfer")
         out, lse = fi.run_with_lse(slot.wrapper, q, k, v)
-        return out, flash_backward.lse_from_flashinfer(lse), max_lens
+        return out, flash_backward.lse_from_flashinfer(lse), lens
 
 
 class ImplicitStep(PlannedStep):

@@ -207,3 +207,39 @@ def test_a_varlen_runtime_that_must_plan_gets_flashinfers_auto_family(sm90):
         assert select.flashinfer_backend("varlen", dev, n, total, hq=16, hkv=16) == select.flashinfer_backend(
             "auto", dev, n, total, hq=16, hkv=16
         )
+
+
+# -- the training backward: flash-attn-4 against FlashAttention-2 ---------------------------
+# bench/bench_train.py --only bwd-sweep timed forward+backward with each backward forced
+# (FA4's isolation layout by the fused gather) on every layout class, causal or not, GQA,
+# head dims 64/80/128/256, into bench/results/train-bwd-sweep.json.
+
+BWD_SWEEP = SWEEP.parent / "train-bwd-sweep.json"
+BWD_ROWS = [r for r in json.loads(BWD_SWEEP.read_text())["bwd_sweep"] if "fa2_ms" in r and "fa4_fused_ms" in r]
+
+
+def _bwd_name(r):
+    return f"{r['kind']}-{r['hq']}/{r['hkv']}-d{r['d']}-{'causal' if r['causal'] else 'full'}"
+
+
+@pytest.mark.parametrize("row", BWD_ROWS, ids=_bwd_name)
+def test_auto_backward_is_within_3_percent_of_the_faster_kernel(row, monkeypatch):
+    from ragged_compile.backends import fa4_backward
+
+    monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
+    monkeypatch.setattr(fa4_backward, "unsupported_reason", lambda *a: None)  # installed, SM90
+    work = select.backward_work(row["hq"], row["hkv"], row["tokens"], row["pairs"], row["causal"])
+    pick = select.backward_kernel(torch.device("cuda", 0), torch.bfloat16, row["d"], work)
+    ms = {"fa2": row["fa2_ms"], "fa4": row["fa4_fused_ms"]}
+    assert ms[pick] <= 1.03 * min(ms.values()), (pick, work, row)
+
+
+def test_backward_sweep_covers_what_the_rule_distinguishes():
+    assert {r["causal"] for r in BWD_ROWS} == {False, True}
+    assert {r["d"] for r in BWD_ROWS} >= {64, 80, 128, 256}
+    assert {r["hq"] // r["hkv"] for r in BWD_ROWS} >= {1, 4}
+    assert {r["kind"] for r in BWD_ROWS} >= {"short", "vit", "mid", "mixed", "long"}
+    # each head dim has rows the rule sends either way
+    for d in {r["d"] for r in BWD_ROWS}:
+        ratios = [r["fa4_fused_ms"] / r["fa2_ms"] for r in BWD_ROWS if r["d"] == d]
+        assert min(ratios) < 0.97 and max(ratios) > 1.03, d

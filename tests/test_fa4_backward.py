@@ -191,16 +191,25 @@ def test_unsupported_reasons_name_the_limit(monkeypatch):
     assert fa4_backward.unsupported_reason(cuda, torch.bfloat16, 128) == "flash-attn-4 is not installed"
 
 
-def test_floods_of_short_segments_stay_on_fa2(monkeypatch):
+def test_auto_takes_fa4_only_where_the_work_per_row_repays_isolation(monkeypatch):
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
     monkeypatch.setattr(fa4_backward, "unsupported_reason", lambda *a: None)
     cuda = torch.device("cuda", 0)
-    assert fa4_backward.pads_little(16, 34043, 34043) and not fa4_backward.pads_little(300, 9000, 9000)
-    assert not fa4_backward.pads_little(16, 34043, 77 * 16)  # short text k/v of a cross-attention
-    assert select.backward_kernel(cuda, torch.bfloat16, 128, (16, 34043, 34043)) == "fa4"
-    assert select.backward_kernel(cuda, torch.bfloat16, 128, (300, 9000, 9000)) == "fa2"
+    # 250 segments of ~130 tokens (a short flood) against 16 of ~2,100 (mixed), 16 heads of 128
+    short = select.backward_work(16, 16, 33109, 250 * 167 * 132, False)
+    mixed = select.backward_work(16, 16, 34043, 34043 * 2900, False)
+    assert select.backward_kernel(cuda, torch.bfloat16, 128, short) == "fa2"
+    assert select.backward_kernel(cuda, torch.bfloat16, 128, mixed) == "fa4"
+    # causal halves the work; GQA weighs it up; smaller head dims need more of it
+    assert select.backward_work(16, 16, 100, 10_000, True) == 50.0
+    assert select.backward_work(32, 8, 100, 10_000, False) == 160.0
+    assert select.fa4_backward_pays(128, 941) and not select.fa4_backward_pays(64, 941)
+    assert select.fa4_backward_pays(72, 1e4)  # computed at 96
+    assert select.backward_work(16, 16, 0, 0, False) == 0.0
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa4")  # asked for: used anyway
-    assert select.backward_kernel(cuda, torch.bfloat16, 128, (300, 9000, 9000)) == "fa4"
+    assert select.backward_kernel(cuda, torch.bfloat16, 128, short) == "fa4"
+    monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
+    assert select.backward_kernel(cuda, torch.bfloat16, 128) == "fa4"  # no layout given: the faster kernel
 
 
 def test_a_failing_fa4_kernel_falls_back_to_fa2_once_with_a_warning(monkeypatch, caplog):
@@ -220,10 +229,10 @@ def test_a_failing_fa4_kernel_falls_back_to_fa2_once_with_a_warning(monkeypatch,
         raise RuntimeError("DSL compile error")
 
     monkeypatch.setattr(fa4_backward, "backward", broken)
-    monkeypatch.setattr(fa4_backward, "pads_little", lambda *a: True)
+    monkeypatch.setattr(select, "fa4_backward_pays", lambda *a: True)
     monkeypatch.setattr(ops.flash_backward, "backward", lambda *a: calls.append("fa2") or ("dq", "dk", "dv"))
     q, k, v, go, cq, ck = _case([6, 4], [6, 4], dtype=torch.bfloat16)
-    args = (go, q, k, v, q, torch.zeros(4, 10), cq, ck, torch.tensor([6, 6]), False, 0.3)
+    args = (go, q, k, v, q, torch.zeros(4, 10), cq, ck, torch.tensor([6, 6, 52]), False, 0.3)
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
     with caplog.at_level("WARNING", logger="ragged_compile"):
         for _ in range(2):

@@ -608,7 +608,7 @@ def test_varlen_training_forward_hands_its_lse_to_the_backward_as_it_is(fake_var
         out, lse, max_lens = step.attention_with_lse(q, k, v, cu, cu, True, 0.3)
     torch.testing.assert_close(out, _want(q, k, v, cu))
     torch.testing.assert_close(lse, reference_lse(q, k, cu, cu, True, 0.3))
-    assert max_lens == (30, 30) and rt.stats["plans"] == 0 and rt.stats["varlen"] == 1
+    assert max_lens[:2] == (30, 30) and rt.stats["plans"] == 0 and rt.stats["varlen"] == 1
 
 
 def test_a_changed_backend_takes_effect_on_layouts_already_seen(fake_varlen):

@@ -69,13 +69,16 @@ def test_pytorch_padding_round_trips_and_pads_with_zeros(lens, tile, d, dim):
     assert torch.equal(lp[:, lay.dst], lse) and bool((lp[:, lay.src < 0] == float("inf")).all())
 
 
-def test_the_fused_kernel_is_opt_in_and_cuda_only(monkeypatch):
+def test_the_fused_kernel_is_the_cuda_default_where_triton_is(monkeypatch):
     monkeypatch.delenv(config.FA4_PAD, raising=False)
     assert not tile_pad.fused(torch.device("cpu"))
+    assert tile_pad.fused(torch.device("cuda")) == (tile_pad._triton() is not None)
+    monkeypatch.setenv(config.FA4_PAD, "copies")
+    assert not tile_pad.fused(torch.device("cuda"))
     monkeypatch.setenv(config.FA4_PAD, "fused")
     assert not tile_pad.fused(torch.device("cpu"))
     monkeypatch.setenv(config.FA4_PAD, "sideways")
-    with pytest.raises(ValueError, match="RAGGED_COMPILE_FA4_PAD must be one of copies, fused"):
+    with pytest.raises(ValueError, match="RAGGED_COMPILE_FA4_PAD must be one of fused, copies"):
         tile_pad.fused(torch.device("cuda"))
 
 

@@ -46,7 +46,7 @@ def test_lse_and_max_lengths_for_the_backward(fake_flashinfer):
     assert lse.shape == (4, 9) and lse.dtype == torch.float32
     assert torch.equal(torch.isinf(lse), torch.isinf(want)) and bool((lse[torch.isinf(lse)] > 0).all())
     torch.testing.assert_close(lse[~torch.isinf(lse)], want[~torch.isinf(want)])
-    assert max_lens == (5, 6)
+    assert max_lens == (5, 6, 5 * 2 + 3 * 0 + 0 * 4 + 1 * 6)  # the pairs pick the backward's kernel
 
 
 @pytest.mark.parametrize("lq,lk", [([3, 2], [0, 0]), ([0, 0], [4, 1])])
@@ -57,7 +57,7 @@ def test_nothing_to_attend_plans_nothing(fake_flashinfer, lq, lk):
         out, lse, max_lens = rt.attention_with_lse(q, k, v, cq, ck, False, 0.3)
     assert not out.any() and out.shape == q.shape
     assert lse.shape == (4, sum(lq)) and bool((lse == math.inf).all())
-    assert max_lens == (max(lq), max(lk)) and rt.stats["plans"] == 0
+    assert max_lens == (max(lq), max(lk), sum(a * b for a, b in zip(lq, lk))) and rt.stats["plans"] == 0
 
 
 def test_recompute_after_the_step_reuses_its_plan_without_sync(fake_flashinfer):

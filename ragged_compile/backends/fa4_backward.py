@@ -81,15 +81,6 @@ def disable(reason: str) -> None:
     _disabled = reason
 
 
-def pads_little(segments: int, total_q: int, total_k: int) -> bool:
-    """Whether padding each segment to a tile at most doubles the rows of either
-    side. Floods of short segments would multiply the backward's memory (and FA4
-    is barely faster on them: 0.96 against 1.10 ms for 250 segments of ~130
-    tokens, before the copies), so they stay on FA2."""
-    extra = segments * (_MAX_TILE - 1)
-    return extra <= total_q and extra <= total_k
-
-
 def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why FA4's backward cannot take this call (FA2's will), or None. Imports
     flash-attn-4 only when everything else fits."""

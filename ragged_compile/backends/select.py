@@ -83,6 +83,8 @@ __all__ = [
     "trains_with_lse",
     "training_reason",
     "backward_kernel",
+    "backward_work",
+    "fa4_backward_pays",
     "fa4_failed",
     "unsupported_reason",
     "padded_kernel",
@@ -450,15 +452,44 @@ def trains_with_lse(device: torch.device, dtype: torch.dtype, head_dim: int, var
     return forward_kernel(device, dtype, head_dim, variant) == "cpu"
 
 
+# flash-attn-4's backward (its isolation layout written by the fused gather included)
+# against FlashAttention-2's, forward+backward on the H200 over layout classes x causal x
+# GQA x head dims 64/80/128/256 (bench/results/train-bwd-sweep.json): FA4's kernel is
+# up to ~2x faster, but isolating segments copies every row in and out, a cost per token
+# that only enough work per query row repays. The work: key pairs per query row (halved
+# when causal), weighted by 2*hq/(hq+hkv) (GQA pads fewer k/v heads than it computes
+# with). FA4 from these thresholds, by the head dim FA4 computes at (80 runs at 96); the
+# swept rows on either side, FA4's time over FA2's: d=64 1.05 at 941, 0.74 at 1450;
+# d=96 1.03 at 471, 0.97 at 655; d=128 1.07 at 327, 0.95 at 471; d=256 1.02 at 655,
+# 0.94 at 941.
+_FA4_MIN_WORK = ((64, 1200.0), (96, 560.0), (128, 400.0), (256, 800.0))
+
+
+def backward_work(hq: int, hkv: int, total_q: int, pairs: int, causal: bool) -> float:
+    """The work per query row that :func:`backward_kernel` weighs (``pairs``: the
+    layout's query-key pairs per head, ``sum(len_q * len_k)``)."""
+    if total_q <= 0:
+        return 0.0
+    return pairs / total_q * (0.5 if causal else 1.0) * 2.0 * hq / (hq + hkv)
+
+
+def fa4_backward_pays(head_dim: int, work: float) -> bool:
+    """Whether flash-attn-4's backward, isolation included, beats FlashAttention-2's
+    on a call of this head dim and :func:`backward_work`."""
+    d = fa4_backward.fa4_head_dim(head_dim)
+    return work >= next(t for dim, t in _FA4_MIN_WORK if dim >= d)
+
+
 def backward_kernel(
-    device: torch.device, dtype: torch.dtype, head_dim: int, layout: tuple[int, int, int] | None = None,
+    device: torch.device, dtype: torch.dtype, head_dim: int, work: float | None = None,
     variant: tuple[str, ...] = (),
 ) -> str:
-    """The CUDA backward of a training call: ``"fa4"`` (flash-attn-4, about twice as
-    fast on SM90, when installed) or ``"fa2"`` (PyTorch's FlashAttention-2).
-    ``layout``, (segments, total q, total k): floods of short segments stay on
-    FA2 (:func:`fa4_backward.pads_little`). Windows and sinks: FA2
-    (flash-attn-4's variants are not wired), even where ``fa4`` is forced.
+    """The CUDA backward of a training call: ``"fa4"`` (flash-attn-4 on SM90, when
+    installed) or ``"fa2"`` (PyTorch's FlashAttention-2). ``work``: the call's
+    :func:`backward_work`; ``auto`` takes FA4 where it pays
+    (:func:`fa4_backward_pays`; floods of short segments and ViT-sized layouts at
+    small head dims stay on FA2). Windows and sinks: FA2 (flash-attn-4's variants
+    are not wired), even where ``fa4`` is forced.
 
     ``RAGGED_COMPILE_BACKWARD=fa2|fa4`` forces one; ``fa4`` where it cannot run
     is an error that says why. Under ``torch.use_deterministic_algorithms(True)``
@@ -477,10 +508,10 @@ def backward_kernel(
                 "flash-attn-4's backward is not bitwise deterministic; unset one of them"
             )
         return "fa2"
+    if forced == "auto" and work is not None and not fa4_backward_pays(head_dim, work):
+        return "fa2"  # decided before anything imports flash-attn-4
     reason = fa4_backward.unsupported_reason(device, dtype, head_dim)
     if reason is None:
-        if forced == "auto" and layout is not None and not fa4_backward.pads_little(*layout):
-            return "fa2"
         return "fa4"
     if forced == "fa4":
         raise RuntimeError(f"{config.BACKWARD}=fa4, but {reason}; unset it to use FlashAttention-2's backward")

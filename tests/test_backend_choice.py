@@ -223,7 +223,9 @@ def _bwd_name(r):
 
 
 @pytest.mark.parametrize("row", BWD_ROWS, ids=_bwd_name)
-def test_auto_backward_is_within_3_percent_of_the_faster_kernel(row, monkeypatch):
+def test_auto_backward_is_within_6_percent_of_the_faster_kernel(row, monkeypatch):
+    """6%, not 3%: FA4 only where the sweep has it >= 8% faster (see select.py: after
+    FlashInfer's forward it measured slower on a row the sweep had 5% in its favour)."""
     from ragged_compile.backends import fa4_backward
 
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
@@ -231,7 +233,9 @@ def test_auto_backward_is_within_3_percent_of_the_faster_kernel(row, monkeypatch
     work = select.backward_work(row["hq"], row["hkv"], row["tokens"], row["pairs"], row["causal"])
     pick = select.backward_kernel(torch.device("cuda", 0), torch.bfloat16, row["d"], work)
     ms = {"fa2": row["fa2_ms"], "fa4": row["fa4_fused_ms"]}
-    assert ms[pick] <= 1.03 * min(ms.values()), (pick, work, row)
+    assert ms[pick] <= 1.06 * min(ms.values()), (pick, work, row)
+    if ms["fa4"] <= 0.92 * ms["fa2"] or ms["fa2"] <= ms["fa4"]:  # clear wins are taken
+        assert ms[pick] == min(ms.values()), (pick, work, row)
 
 
 def test_backward_sweep_covers_what_the_rule_distinguishes():

@@ -204,6 +204,7 @@ def test_auto_takes_fa4_only_where_the_work_per_row_repays_isolation(monkeypatch
     assert select.backward_work(16, 16, 100, 10_000, True) == 50.0
     assert select.backward_work(32, 8, 100, 10_000, False) == 160.0
     assert select.fa4_backward_pays(128, 941) and not select.fa4_backward_pays(64, 941)
+    assert not select.fa4_backward_pays(128, 471)  # ViT, causal: FA2 (see select._FA4_MIN_WORK)
     assert select.fa4_backward_pays(72, 1e4)  # computed at 96
     assert select.backward_work(16, 16, 0, 0, False) == 0.0
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa4")  # asked for: used anyway

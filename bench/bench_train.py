@@ -61,33 +61,28 @@ SWEEP_HEADS = ((16, 16, 128), (32, 8, 128), (16, 16, 64), (16, 16, 80), (8, 8, 2
 
 
 @contextlib.contextmanager
+def _env(name: str, value: str | None):
+    """``name`` set to ``value`` inside (unchanged for None): our knobs are read per call."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 def fa4_pad(mode: str | None):
     """Force how flash-attn-4's isolation layout is written (RAGGED_COMPILE_FA4_PAD)."""
-    old = os.environ.get("RAGGED_COMPILE_FA4_PAD")
-    if mode is not None:
-        os.environ["RAGGED_COMPILE_FA4_PAD"] = mode
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("RAGGED_COMPILE_FA4_PAD", None)
-        else:
-            os.environ["RAGGED_COMPILE_FA4_PAD"] = old
+    return _env("RAGGED_COMPILE_FA4_PAD", mode)
 
 
-@contextlib.contextmanager
 def backward(kernel: str | None):
-    """Force the op's CUDA backward (read per call from RAGGED_COMPILE_BACKWARD)."""
-    old = os.environ.get("RAGGED_COMPILE_BACKWARD")
-    if kernel is not None:
-        os.environ["RAGGED_COMPILE_BACKWARD"] = kernel
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("RAGGED_COMPILE_BACKWARD", None)
-        else:
-            os.environ["RAGGED_COMPILE_BACKWARD"] = old
+    """Force the op's CUDA backward (RAGGED_COMPILE_BACKWARD)."""
+    return _env("RAGGED_COMPILE_BACKWARD", kernel)
 
 
 def timed(fn, dev, reps: int, warmup: int) -> dict:

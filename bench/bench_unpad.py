@@ -13,6 +13,14 @@ BERT classifiers, side by side in one process (BERT encoders: ``bench_host.py``)
   sentences in random order and pre-sorted by length (``encode`` sorts each call's
   sentences itself; the input order decides nothing else). Seconds per encode,
   max |diff| of the embeddings.
+* ``st_train``: a sentence-transformers fine-tuning step as its trainer feeds one:
+  BERT-base with attention (and hidden) dropout 0.1, batches of 32 (anchor,
+  positive) pairs of sentences in random order (so padded to the longest of each
+  batch), mean pooling, in-batch negatives loss (MultipleNegativesRankingLoss),
+  backward, AdamW: ``"sdpa"``, ours and ours unpadded; ms per step, 8 batches in turn.
+* ``full``: rows with no padding at all (BERT-base 64 x 256, BERT-large 32 x 512):
+  ``"sdpa"``, ours, ours unpadded, forward ms: what an unpadded model costs where
+  there is nothing to remove.
 
 Random weights, bf16 on CUDA (float32 on CPU, where ``--smoke`` checks the
 plumbing on tiny sizes). Writes ``unpad.json`` and ``unpad.md`` to ``--out``.
@@ -129,6 +137,113 @@ def st_rows(dev, dtype, smoke) -> list[dict]:
     return rows
 
 
+def _st_model(path_dir, words, size, dropout):
+    """A BERT sentence-transformer saved to ``path_dir`` (no hub), and its tokenizer."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    path, vocab = pathlib.Path(path_dir) / "model", pathlib.Path(path_dir) / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(words)]))
+    tok = BertTokenizerFast(vocab_file=str(vocab), model_max_length=512)
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=words + 5, max_position_embeddings=512, attention_probs_dropout_prob=dropout,
+                         hidden_dropout_prob=dropout, **size)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def st_train_rows(dev, dtype, smoke) -> list[dict]:
+    import sentence_transformers as st
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    try:
+        from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+    except ImportError:  # releases before the per-model packages
+        from sentence_transformers.losses import MultipleNegativesRankingLoss
+
+    pairs, batches, words = (8, 2, 500) if smoke else (32, 8, 30000)
+    size = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64) if smoke else \
+        dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
+    texts = _sentences(2 * pairs * batches, words, seed=1)
+    name = hf.register()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _st_model(tmp, words, size, 0.1)
+
+        def load(attn):
+            t = Transformer(str(path), model_kwargs={"attn_implementation": attn, "dtype": dtype})
+            return st.SentenceTransformer(modules=[t, Pooling(t.get_embedding_dimension(), pooling_mode="mean")],
+                                          device=str(dev))
+
+        models = {"sdpa": load("sdpa"), "ours": load(name), "unpad": load(name)}
+    hf.unpad(models["unpad"][0].auto_model)
+    steps = []
+    for key, m in models.items():
+        m.train()
+        loss_fn = MultipleNegativesRankingLoss(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
+        feats = []
+        for i in range(batches):
+            chunk = texts[2 * pairs * i: 2 * pairs * (i + 1)]
+            feats.append([{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in m.tokenize(chunk[j::2]).items()}
+                          for j in (0, 1)])
+        state = {"i": 0}
+
+        def step(m=m, loss_fn=loss_fn, opt=opt, feats=feats, state=state):
+            f = feats[state["i"] % len(feats)]
+            state["i"] += 1
+            loss = loss_fn(f, None)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        steps.append((key, step, feats))
+    row = {"model": "bert-base", "pairs_per_batch": pairs, "dropout": 0.1,
+           "real_fraction": sum(float(x["attention_mask"].float().mean()) for f in steps[0][2] for x in f)
+           / (2 * batches)}
+    for key, step, _ in steps:
+        row[f"{key}_ms"] = time_fn(step, dev, warmup=2, min_reps=3 if smoke else 2 * batches,
+                                   target_s=0.05 if smoke else 2.0)["wall_ms"]
+    for key in ("ours", "unpad"):
+        row[f"{key}_over_sdpa_speed"] = row["sdpa_ms"] / row[f"{key}_ms"]
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
+def full_rows(dev, dtype, smoke, target_s) -> list[dict]:
+    from transformers import BertConfig, BertModel
+
+    configs = [("bert-base", 12, 768, 12, 64, 256), ("bert-large", 24, 1024, 16, 32, 512)]
+    if smoke:
+        configs = [("bert-tiny", 2, 64, 2, 4, 16)]
+    name = hf.register()
+    rows = []
+    for label, layers, hidden, heads, b, s in configs:
+        cfg = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                   intermediate_size=4 * hidden, vocab_size=30522, max_position_embeddings=512)
+        models = {}
+        for key, attn in (("sdpa", "sdpa"), ("ours", name), ("unpad", name)):
+            torch.manual_seed(0)
+            m = BertModel(BertConfig(**cfg, attn_implementation=attn)).to(dev, dtype).eval()
+            models[key] = hf.unpad(m) if key == "unpad" else m
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(5, cfg["vocab_size"], (b, s), generator=g).to(dev)
+        mask = torch.ones(b, s, dtype=torch.long, device=dev)
+        row = {"model": label, "batch": b, "length": s, "real_fraction": 1.0}
+        outs = {}
+        with torch.no_grad():
+            for key, m in models.items():
+                fn = lambda m=m: m(input_ids=ids, attention_mask=mask).last_hidden_state  # noqa: E731
+                outs[key] = fn().float()
+                row[f"{key}_ms"] = time_fn(fn, dev, warmup=2, min_reps=5, target_s=target_s)["wall_ms"]
+        for key in ("ours", "unpad"):
+            row[f"{key}_over_sdpa_speed"] = row["sdpa_ms"] / row[f"{key}_ms"]
+            row[f"{key}_max_diff"] = (outs[key] - outs["sdpa"]).abs().max().item()
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del models
+    return rows
+
+
 def _markdown(res: dict) -> str:
     lines = ["# Unpadded end to end: decoders and sentence-transformers", "",
              f"Environment: `{json.dumps(res['environment'])}`", ""]
@@ -149,17 +264,38 @@ def _markdown(res: dict) -> str:
             lines.append(f"| {r['sentences']} (mean {r['mean_tokens']:.0f} tokens) | {r['order']} | {r['sdpa_s']:.3f} | "
                          f"{r['ours_s']:.3f} | {r['unpad_s']:.3f} | {r['ours_over_sdpa_speed']:.2f}x | "
                          f"{r['unpad_over_sdpa_speed']:.2f}x | {max(r['ours_max_diff'], r['unpad_max_diff']):.1e} |")
+        lines.append("")
+    if "st_train" in res:
+        lines += ["## sentence-transformers fine-tuning step, BERT-base, dropout 0.1, in-batch negatives", "",
+                  "| pairs a batch | real tokens | sdpa ms | ours ms | unpadded ms | ours / sdpa | unpadded / sdpa |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in res["st_train"]:
+            lines.append(f"| {r['pairs_per_batch']} | {r['real_fraction']:.0%} | {r['sdpa_ms']:.2f} | {r['ours_ms']:.2f} | "
+                         f"{r['unpad_ms']:.2f} | {r['ours_over_sdpa_speed']:.2f}x | {r['unpad_over_sdpa_speed']:.2f}x |")
+        lines.append("")
+    if "full" in res:
+        lines += ["## Full rows (no padding), forward", "",
+                  "| model | batch x L | sdpa ms | ours ms | unpadded ms | ours / sdpa | unpadded / sdpa | max diff |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in res["full"]:
+            lines.append(f"| {r['model']} | {r['batch']} x {r['length']} | {r['sdpa_ms']:.2f} | {r['ours_ms']:.2f} | "
+                         f"{r['unpad_ms']:.2f} | {r['ours_over_sdpa_speed']:.2f}x | {r['unpad_over_sdpa_speed']:.2f}x | "
+                         f"{max(r['ours_max_diff'], r['unpad_max_diff']):.1e} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    a, dev, dtype = model_cli(__doc__, "decoder,st")
+    a, dev, dtype = model_cli(__doc__, "decoder,st,st_train,full")
     only = set(a.only.split(","))
     res: dict = {"environment": environment(), "device": str(dev), "dtype": str(dtype), "smoke": a.smoke}
     if "decoder" in only:
         res["decoder"] = decoder_rows(dev, dtype, a.smoke, 0.05 if a.smoke else a.target_s)
     if "st" in only:
         res["st"] = st_rows(dev, dtype, a.smoke)
+    if "st_train" in only:
+        res["st_train"] = st_train_rows(dev, dtype, a.smoke)
+    if "full" in only:
+        res["full"] = full_rows(dev, dtype, a.smoke, 0.05 if a.smoke else a.target_s)
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "unpad.json").write_text(json.dumps(res, indent=1) + "\n")

@@ -14,7 +14,8 @@ What runs on ``ragged_compile::ragged_attention`` (one call per layer):
   non-causal and cross-attention, every query row sees the row's valid keys.
   The layout is device arithmetic of static shape, so it compiles. Eager on
   CUDA, a small non-causal batch (``select.padded_kernel``) runs SDPA with the
-  key-padding mask instead, reading nothing to the host (see ``_dense_padded``);
+  key-padding mask instead, in inference and training, reading nothing to the
+  host (see ``_dense_padded``);
 * packed batches: ``cu_seq_lens_q/k`` kwargs (``DataCollatorWithFlattening``),
   or ``position_ids`` restarts when there is no mask;
 * cross-attention with a key padding mask; decoding with a KV cache (our causal
@@ -820,7 +821,7 @@ def attention_forward(
                                         compiling):
         # a small padded batch: SDPA with the key-padding mask, no mask read (select.padded_kernel)
         dense = _cached(attention_mask, ("dense", cast_q.dtype), lambda: _dense_mask(attention_mask, cast_q.dtype))
-        out = F.scaled_dot_product_attention(cast_q, cast_k, cast_v, attn_mask=dense, scale=scaling)
+        out = F.scaled_dot_product_attention(cast_q, cast_k, cast_v, attn_mask=dense, dropout_p=dropout_p, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
     if layout is not None:
         pass  # packed, or no mask
@@ -888,17 +889,16 @@ def attention_forward(
 
 def _dense_padded(query, key, value, attention_mask, causal, window, dropout_p, softcap, sinks, compiling) -> bool:
     """Whether a call runs :func:`select.padded_kernel`'s ``"sdpa"``: an eager CUDA
-    inference call, not causal, on a 2-D key padding mask, no window, soft-cap,
-    sinks or dropout, outside any runtime step (a step asked for plans), and small.
-    Not with GQA: SDPA's ``enable_gqa`` with a mask leaves its fused kernels."""
+    call, inference or training (its dropout is SDPA's, as stock's is), not
+    causal, on a 2-D key padding mask, no window, soft-cap or sinks, outside any
+    runtime step (a step asked for plans), and small. Not with GQA: SDPA's
+    ``enable_gqa`` with a mask leaves its fused kernels."""
     if compiling or attention_mask is None or attention_mask.dim() != 2 or causal or window is not None:
         return False
     b, hq, sq, d = query.shape
     if attention_mask.shape != (b, key.shape[2]) or key.shape[1] != hq or not query.is_cuda:
         return False
-    if _needs_grad(query, key, value):
-        return False
-    if dropout_p or softcap or sinks is not None or current_step() is not None:
+    if softcap or sinks is not None or current_step() is not None:
         return False
     return padded_kernel(b, sq, key.shape[2], hq, d, causal) == "sdpa"
 

@@ -165,3 +165,54 @@ def test_cuda_small_padded_batch_runs_without_a_plan(kind, left, dense, monkeypa
         assert len(direct) == 3
     valid = mask.bool()
     torch.testing.assert_close(out[valid].float(), want[valid].float(), atol=3e-2, rtol=3e-2)
+
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("attention_dropout", [0.0, 0.1])
+def test_cuda_small_padded_training_runs_sdpa_with_the_mask(attention_dropout):
+    """Training on a small padded batch takes the same route as inference: SDPA with
+    the additive key-padding mask (its dropout SDPA's own, as stock's), no plan, no
+    mask read, nothing through our op; loss and gradients those of "sdpa" without
+    dropout, and reproducible under manual_seed with it."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from ragged_compile.runtime import get_runtime
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=attention_dropout)
+    model = BertForMaskedLM(cfg).cuda().train()
+    model.set_attn_implementation(NAME)
+    ids, mask = _batch([40, 17, 64, 9], 64, device="cuda")
+    labels = ids.masked_fill(~mask.bool(), -100)
+    rt = get_runtime(torch.device("cuda", torch.cuda.current_device()))
+
+    def step():
+        model.zero_grad()
+        torch.manual_seed(1)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    step()
+    before = dict(rt.stats)
+    with Count() as c, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            loss, grads = step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert c.n == 0 and not [w for w in caught if "called a synchronizing" in str(w.message)]
+    assert all(rt.stats.get(k, 0) == before.get(k, 0) for k in ("varlen", "flashinfer", "plans"))
+    again, _ = step()
+    assert torch.equal(again, loss) and torch.isfinite(loss)
+    if attention_dropout == 0.0:
+        model.set_attn_implementation("sdpa")
+        want, want_grads = step()
+        torch.testing.assert_close(loss, want, atol=2e-2, rtol=2e-2)
+        for n in want_grads:
+            torch.testing.assert_close(grads[n], want_grads[n], atol=5e-2, rtol=5e-2, msg=lambda m: f"{n}: {m}")

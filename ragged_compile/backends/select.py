@@ -610,8 +610,9 @@ _DENSE_MAX_FLOPS = 2e10
 
 
 def padded_kernel(batch: int, sq: int, sk: int, hq: int, head_dim: int, causal: bool) -> str:
-    """How an eager, non-causal, inference call on a padded batch (a 2-D key padding
-    mask, no window or other variant) runs: ``"sdpa"`` (PyTorch's
+    """How an eager, non-causal call on a padded batch (a 2-D key padding mask, no
+    window or other variant; inference or training, whose dropout SDPA draws as
+    stock does) runs: ``"sdpa"`` (PyTorch's
     ``scaled_dot_product_attention`` on the padded q/k/v with the mask as is:
     the kernel stock runs, without reading the mask to the host) where the batch
     is small enough that host work decides its time (``_DENSE_MAX_FLOPS``), else

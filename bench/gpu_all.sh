@@ -56,6 +56,7 @@ bench() {
   step bench-e2e python3 bench/bench_attention.py --only e2e --out "$OUT"
   step bench-train-attn python3 bench/bench_train.py --only attn --out "$OUT"
   step bench-train-e2e python3 bench/bench_train.py --only e2e --out "$OUT"
+  step bench-train-e2e-vit python3 bench/bench_train.py --only e2e --e2e-layout vit --out "$OUT"
   step bench-isolation python3 bench/bench_isolation.py --out "$OUT"
   step bench-train-bwd-sweep python3 bench/bench_train.py --only bwd-sweep --out "$OUT"
   step bench-hf python3 bench/bench_hf.py --out "$OUT/hf.json"

@@ -589,8 +589,9 @@ def _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, lens
                    window=(-1, -1), variant=()):
     """(dq, dk, dv) on CUDA; ``lens``: (max_q, max_k, pairs) from the forward's host layout."""
     max_q, max_k, pairs = lens
-    work = select.backward_work(q.shape[1], k.shape[1], q.shape[0], pairs, causal)
-    if select.backward_kernel(q.device, q.dtype, q.shape[-1], work, variant) == "fa4":
+    slots = (cu_seqlens_q.numel() - 1, q.shape[0], k.shape[0])
+    work = select.backward_work(q.shape[1], k.shape[1], q.shape[0], k.shape[0], pairs, causal)
+    if select.backward_kernel(q.device, q.dtype, q.shape[-1], work, variant, slots) == "fa4":
         try:
             return fa4_backward.backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale)
         except Exception as err:  # noqa: BLE001 - select decides: re-raise, or FA2 from now on

@@ -230,8 +230,9 @@ def test_auto_backward_is_within_6_percent_of_the_faster_kernel(row, monkeypatch
 
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
     monkeypatch.setattr(fa4_backward, "unsupported_reason", lambda *a: None)  # installed, SM90
-    work = select.backward_work(row["hq"], row["hkv"], row["tokens"], row["pairs"], row["causal"])
-    pick = select.backward_kernel(torch.device("cuda", 0), torch.bfloat16, row["d"], work)
+    work = select.backward_work(row["hq"], row["hkv"], row["tokens"], row["tokens"], row["pairs"], row["causal"])
+    slots = (row["segments"], row["tokens"], row["tokens"])
+    pick = select.backward_kernel(torch.device("cuda", 0), torch.bfloat16, row["d"], work, slots=slots)
     ms = {"fa2": row["fa2_ms"], "fa4": row["fa4_fused_ms"]}
     assert ms[pick] <= 1.06 * min(ms.values()), (pick, work, row)
     if ms["fa4"] <= 0.92 * ms["fa2"] or ms["fa2"] <= ms["fa4"]:  # clear wins are taken

@@ -196,21 +196,41 @@ def test_auto_takes_fa4_only_where_the_work_per_row_repays_isolation(monkeypatch
     monkeypatch.setattr(fa4_backward, "unsupported_reason", lambda *a: None)
     cuda = torch.device("cuda", 0)
     # 250 segments of ~130 tokens (a short flood) against 16 of ~2,100 (mixed), 16 heads of 128
-    short = select.backward_work(16, 16, 33109, 250 * 167 * 132, False)
-    mixed = select.backward_work(16, 16, 34043, 34043 * 2900, False)
-    assert select.backward_kernel(cuda, torch.bfloat16, 128, short) == "fa2"
-    assert select.backward_kernel(cuda, torch.bfloat16, 128, mixed) == "fa4"
+    short = select.backward_work(16, 16, 33109, 33109, 250 * 167 * 132, False)
+    mixed = select.backward_work(16, 16, 34043, 34043, 34043 * 2900, False)
+    assert select.backward_kernel(cuda, torch.bfloat16, 128, short, slots=(250, 33109, 33109)) == "fa2"
+    assert select.backward_kernel(cuda, torch.bfloat16, 128, mixed, slots=(16, 34043, 34043)) == "fa4"
     # causal halves the work; GQA weighs it up; smaller head dims need more of it
-    assert select.backward_work(16, 16, 100, 10_000, True) == 50.0
-    assert select.backward_work(32, 8, 100, 10_000, False) == 160.0
+    assert select.backward_work(16, 16, 100, 100, 10_000, True) == 50.0
+    assert select.backward_work(32, 8, 100, 100, 10_000, False) == 160.0
     assert select.fa4_backward_pays(128, 941) and not select.fa4_backward_pays(64, 941)
     assert not select.fa4_backward_pays(128, 471)  # ViT, causal: FA2 (see select._FA4_MIN_WORK)
     assert select.fa4_backward_pays(72, 1e4)  # computed at 96
-    assert select.backward_work(16, 16, 0, 0, False) == 0.0
+    assert not select.fa4_backward_pays(320, 1e9)  # past the head dims it takes
+    assert select.backward_work(16, 16, 0, 0, 0, False) == 0.0
+    # a cross-attention over many more keys than queries copies its keys too: 16 segments
+    # of 77 queries on 4096 keys is little work per copied row
+    cross = select.backward_work(16, 16, 16 * 77, 16 * 4096, 16 * 77 * 4096, False)
+    assert cross < 200 and not select.fa4_backward_pays(128, cross)
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa4")  # asked for: used anyway
     assert select.backward_kernel(cuda, torch.bfloat16, 128, short) == "fa4"
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
     assert select.backward_kernel(cuda, torch.bfloat16, 128) == "fa4"  # no layout given: the faster kernel
+
+
+def test_auto_keeps_fa2_where_the_isolation_layout_would_multiply_memory(monkeypatch):
+    """The padded buffers are sized from the segment slots on the host: a compiled
+    packed batch with a slot per token (4 documents of 8192, one slot each token)
+    would pad to ~128x its rows, however much work each row has."""
+    monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
+    monkeypatch.setattr(fa4_backward, "unsupported_reason", lambda *a: None)
+    cuda = torch.device("cuda", 0)
+    work = select.backward_work(16, 16, 32768, 32768, 4 * 8192 * 8192, True)
+    assert select.fa4_backward_pays(128, work)
+    assert select.backward_kernel(cuda, torch.bfloat16, 128, work, slots=(4, 32768, 32768)) == "fa4"
+    assert select.backward_kernel(cuda, torch.bfloat16, 128, work, slots=(32768, 32768, 32768)) == "fa2"
+    assert fa4_backward.pads_little(16, 34043, 34043) and not fa4_backward.pads_little(300, 9000, 9000)
+    assert not fa4_backward.pads_little(16, 34043, 77 * 16)  # short text k/v of a cross-attention
 
 
 def test_a_failing_fa4_kernel_falls_back_to_fa2_once_with_a_warning(monkeypatch, caplog):
@@ -231,6 +251,7 @@ def test_a_failing_fa4_kernel_falls_back_to_fa2_once_with_a_warning(monkeypatch,
 
     monkeypatch.setattr(fa4_backward, "backward", broken)
     monkeypatch.setattr(select, "fa4_backward_pays", lambda *a: True)
+    monkeypatch.setattr(fa4_backward, "pads_little", lambda *a: True)
     monkeypatch.setattr(ops.flash_backward, "backward", lambda *a: calls.append("fa2") or ("dq", "dk", "dv"))
     q, k, v, go, cq, ck = _case([6, 4], [6, 4], dtype=torch.bfloat16)
     args = (go, q, k, v, q, torch.zeros(4, 10), cq, ck, torch.tensor([6, 6, 52]), False, 0.3)

@@ -20,7 +20,7 @@ import ragged_compile as rc
 
 transformers = pytest.importorskip("transformers")
 
-from _hf_common import Count, pad_mask  # noqa: E402
+from _hf_common import OURS, Count, pad_mask  # noqa: E402
 from ragged_compile import hf  # noqa: E402
 
 NAME = hf.register()
@@ -167,7 +167,6 @@ def test_cuda_small_padded_batch_runs_without_a_plan(kind, left, dense, monkeypa
     torch.testing.assert_close(out[valid].float(), want[valid].float(), atol=3e-2, rtol=3e-2)
 
 
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("attention_dropout", [0.0, 0.1])
 def test_cuda_small_padded_training_runs_sdpa_with_the_mask(attention_dropout):
@@ -199,7 +198,8 @@ def test_cuda_small_padded_training_runs_sdpa_with_the_mask(attention_dropout):
 
     step()
     before = dict(rt.stats)
-    with Count() as c, warnings.catch_warnings(record=True) as caught:
+    ours = (*OURS, torch.ops.ragged_compile.ragged_attention_dropout.default)
+    with Count(ours) as c, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode(1)
         try:
@@ -210,7 +210,11 @@ def test_cuda_small_padded_training_runs_sdpa_with_the_mask(attention_dropout):
     assert all(rt.stats.get(k, 0) == before.get(k, 0) for k in ("varlen", "flashinfer", "plans"))
     again, _ = step()
     assert torch.equal(again, loss) and torch.isfinite(loss)
-    if attention_dropout == 0.0:
+    if attention_dropout:  # the dropout is drawn: another seed, another loss
+        torch.manual_seed(2)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert not torch.equal(model(input_ids=ids, attention_mask=mask, labels=labels).loss.detach(), loss)
+    else:
         model.set_attn_implementation("sdpa")
         want, want_grads = step()
         torch.testing.assert_close(loss, want, atol=2e-2, rtol=2e-2)

@@ -81,6 +81,15 @@ def disable(reason: str) -> None:
     _disabled = reason
 
 
+def pads_little(segments: int, total_q: int, total_k: int) -> bool:
+    """Whether padding each segment slot to a tile at most doubles the rows of either
+    side. The padded buffers are sized on the host from the slot count (no sync),
+    so layouts with many empty slots (a compiled packed batch keeps one per token)
+    or many short segments would multiply the backward's memory."""
+    extra = segments * (_MAX_TILE - 1)
+    return extra <= total_q and extra <= total_k
+
+
 def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why FA4's backward cannot take this call (FA2's will), or None. Imports
     flash-attn-4 only when everything else fits."""

@@ -456,9 +456,14 @@ def trains_with_lse(device: torch.device, dtype: torch.dtype, head_dim: int, var
 # against FlashAttention-2's, forward+backward on the H200 over layout classes x causal x
 # GQA x head dims 64/80/128/256 (bench/results/train-bwd-sweep.json): FA4's kernel is
 # up to ~2x faster, but isolating segments copies every row in and out, a cost per token
-# that only enough work per query row repays. The work: key pairs per query row (halved
-# when causal), weighted by 2*hq/(hq+hkv) (GQA pads fewer k/v heads than it computes
-# with). FA4 from these thresholds, by the head dim FA4 computes at (80 runs at 96).
+# that only enough work per copied row repays. The work: query-key pairs per head over
+# the rows copied, weighted by heads (2*hq*pairs / (hq*Tq + hkv*Tk), halved when causal:
+# self-attention's key pairs per query row, weighted by 2*hq/(hq+hkv), since GQA copies
+# fewer k/v heads than it computes with; a cross-attention over many more keys than
+# queries copies its keys too). FA4 from these thresholds, by the head dim FA4 computes
+# at (80 runs at 96), and only where padding each segment to a tile at most doubles the
+# rows of either side (fa4_backward.pads_little: its buffers are sized on the host by the
+# segment slots, so a compiled packed layout with a slot per token would take ~128x T).
 # The sweep times the backward after FlashAttention-2's forward; after FlashInfer's (the
 # training forward wherever a plan pays), the attention benchmark measured FA4 slower
 # on the ViT layout, causal (work 471 at d=128: 2.36-2.41 against FA2's 1.93 ms, three
@@ -469,31 +474,36 @@ def trains_with_lse(device: torch.device, dtype: torch.dtype, head_dim: int, var
 _FA4_MIN_WORK = ((64, 1200.0), (96, 800.0), (128, 600.0), (256, 900.0))
 
 
-def backward_work(hq: int, hkv: int, total_q: int, pairs: int, causal: bool) -> float:
-    """The work per query row that :func:`backward_kernel` weighs (``pairs``: the
+def backward_work(hq: int, hkv: int, total_q: int, total_k: int, pairs: int, causal: bool) -> float:
+    """The work per copied row that :func:`backward_kernel` weighs (``pairs``: the
     layout's query-key pairs per head, ``sum(len_q * len_k)``)."""
-    if total_q <= 0:
+    rows = hq * total_q + hkv * total_k
+    if rows <= 0:
         return 0.0
-    return pairs / total_q * (0.5 if causal else 1.0) * 2.0 * hq / (hq + hkv)
+    return 2.0 * hq * pairs / rows * (0.5 if causal else 1.0)
 
 
 def fa4_backward_pays(head_dim: int, work: float) -> bool:
     """Whether flash-attn-4's backward, isolation included, beats FlashAttention-2's
-    on a call of this head dim and :func:`backward_work`."""
+    on a call of this head dim and :func:`backward_work` (False past the head dims
+    it takes)."""
+    if head_dim > _FA4_MIN_WORK[-1][0]:
+        return False
     d = fa4_backward.fa4_head_dim(head_dim)
     return work >= next(t for dim, t in _FA4_MIN_WORK if dim >= d)
 
 
 def backward_kernel(
     device: torch.device, dtype: torch.dtype, head_dim: int, work: float | None = None,
-    variant: tuple[str, ...] = (),
+    variant: tuple[str, ...] = (), slots: tuple[int, int, int] | None = None,
 ) -> str:
     """The CUDA backward of a training call: ``"fa4"`` (flash-attn-4 on SM90, when
     installed) or ``"fa2"`` (PyTorch's FlashAttention-2). ``work``: the call's
-    :func:`backward_work`; ``auto`` takes FA4 where it pays
-    (:func:`fa4_backward_pays`; floods of short segments and ViT-sized layouts at
-    small head dims stay on FA2). Windows and sinks: FA2 (flash-attn-4's variants
-    are not wired), even where ``fa4`` is forced.
+    :func:`backward_work`; ``slots``: (segment slots, total q, total k). ``auto``
+    takes FA4 where it pays (:func:`fa4_backward_pays`; floods of short segments
+    and ViT-sized layouts at small head dims stay on FA2) and its isolation
+    layout stays small (:func:`fa4_backward.pads_little`). Windows and sinks: FA2
+    (flash-attn-4's variants are not wired), even where ``fa4`` is forced.
 
     ``RAGGED_COMPILE_BACKWARD=fa2|fa4`` forces one; ``fa4`` where it cannot run
     is an error that says why. Under ``torch.use_deterministic_algorithms(True)``
@@ -512,7 +522,10 @@ def backward_kernel(
                 "flash-attn-4's backward is not bitwise deterministic; unset one of them"
             )
         return "fa2"
-    if forced == "auto" and work is not None and not fa4_backward_pays(head_dim, work):
+    if forced == "auto" and (
+        (work is not None and not fa4_backward_pays(head_dim, work))
+        or (slots is not None and not fa4_backward.pads_little(*slots))
+    ):
         return "fa2"  # decided before anything imports flash-attn-4
     reason = fa4_backward.unsupported_reason(device, dtype, head_dim)
     if reason is None:

@@ -13,11 +13,12 @@ Two implementations of one contract: on CUDA with triton installed (the default,
 element of the padded tensors once (rows read straight from the inputs, any
 strides, padding rows and columns written as zeros); otherwise
 (``RAGGED_COMPILE_FA4_PAD=copies``) PyTorch's ops zero-fill and then scatter each
-tensor (two passes, a launch each). On the H200 the fused layout costs 0.74-1.45
-ms a layer at ~33k tokens of 16 heads of 128 (both sides in, gradients out),
-against 1.49-2.14 ms for the copies (bench/results/isolation.json): about what
-moving those bytes once costs at the GPU's memory bandwidth, the floor of any
-isolation by copying. The two are tested equal here (under Triton's interpreter).
+tensor (two passes, a launch each). On the H200 the fused layout costs 0.74-0.81
+ms a layer at ~33k tokens of 16 heads of 128 (both sides in, gradients out) in
+most measured rows, near what moving those bytes once costs at the GPU's memory
+bandwidth (the floor of any isolation by copying), 1.27-1.73 ms in others, against
+1.45-2.14 ms for the copies (bench/results/isolation*.json). The two are tested
+equal here (under Triton's interpreter).
 """
 
 from __future__ import annotations

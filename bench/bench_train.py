@@ -192,7 +192,7 @@ def bench_backward_sweep(args, dev) -> list[dict]:
                 go = torch.randn_like(c.q)
                 row = {"kind": kind, "hq": c.hq, "hkv": c.hkv, "d": d, "causal": causal, "segments": c.n,
                        "tokens": c.total, "max_len": c.max_len, "pairs": sum(n * n for n in c.lens)}
-                for kernel, pad in (("fa2", None), ("fa4", "copies"), ("fa4", "fused")):
+                for kernel, pad in (("fa2", None), ("fa4", "copies"), ("fa4", "fused"), ("fa4", "redo")):
                     label = kernel if pad in (None, "copies") else f"{kernel}_{pad}"
                     rt = Runtime(dev)
                     try:
@@ -204,7 +204,7 @@ def bench_backward_sweep(args, dev) -> list[dict]:
                             row[f"{label}_ms"] = timed(step, dev, args.reps, warmup=2)["ms"]
                     except Exception as e:  # noqa: BLE001 - record, keep going
                         row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                for label in ("fa4", "fa4_fused"):
+                for label in ("fa4", "fa4_fused", "fa4_redo"):
                     if "fa2_ms" in row and f"{label}_ms" in row:
                         row[f"{label}_over_fa2"] = row[f"{label}_ms"] / row["fa2_ms"]
                 rows.append(row)
@@ -332,8 +332,9 @@ def render(results: dict) -> str:
         lines.append("")
     if "bwd_sweep" in results:
         lines += ["## Backward sweep: forward+backward ms with FA2's and FA4's backward", "",
-                  "| layout | heads q/kv x d | causal | FA2 | FA4 (copies) | FA4 (fused pad) | FA4 / FA2 | FA4 fused / FA2 |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| layout | heads q/kv x d | causal | FA2 | FA4 (copies) | FA4 (fused pad) | FA4 (redo) | FA4 / FA2 | "
+                  "FA4 fused / FA2 | FA4 redo / FA2 |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
 
         def num(x):
             return "-" if x is None else f"{x:.2f}"
@@ -341,7 +342,8 @@ def render(results: dict) -> str:
         for r in results["bwd_sweep"]:
             lines.append(f"| {r['kind']} ({r['segments']} x <= {r['max_len']}) | {r['hq']}/{r['hkv']} x {r['d']} | {r['causal']} | "
                          f"{num(r.get('fa2_ms'))} | {num(r.get('fa4_ms'))} | {num(r.get('fa4_fused_ms'))} | "
-                         f"{num(r.get('fa4_over_fa2'))} | {num(r.get('fa4_fused_over_fa2'))} |")
+                         f"{num(r.get('fa4_redo_ms'))} | {num(r.get('fa4_over_fa2'))} | {num(r.get('fa4_fused_over_fa2'))} | "
+                         f"{num(r.get('fa4_redo_over_fa2'))} |")
         lines.append("")
     if "e2e" in results:
         e = results["e2e"]

@@ -54,6 +54,21 @@ def _left_padded(b, s, vocab, dev, seed=0):
     return ids.to(dev), mask.to(dev)
 
 
+def _time_forwards(row: dict, models: dict, forward, dev, target_s) -> None:
+    """Each model's forward ms into ``row`` (no grad), ours' speed and max |diff| against
+    ``"sdpa"``, printed."""
+    outs = {}
+    with torch.no_grad():
+        for key, m in models.items():
+            fn = lambda m=m: forward(m)  # noqa: E731
+            outs[key] = fn().float()
+            row[f"{key}_ms"] = time_fn(fn, dev, warmup=2, min_reps=5, target_s=target_s)["wall_ms"]
+    for key in ("ours", "unpad"):
+        row[f"{key}_over_sdpa_speed"] = row["sdpa_ms"] / row[f"{key}_ms"]
+        row[f"{key}_max_diff"] = (outs[key] - outs["sdpa"]).abs().max().item()
+    print(json.dumps(row), flush=True)
+
+
 def decoder_rows(dev, dtype, smoke, target_s) -> list[dict]:
     from transformers import Qwen2Config, Qwen2Model
 
@@ -73,16 +88,8 @@ def decoder_rows(dev, dtype, smoke, target_s) -> list[dict]:
         ids, mask = _left_padded(b, s, size["vocab_size"], dev)
         row = {"model": "qwen2-0.5b-style", "batch": b, "length": s, "padding": "left",
                "real_fraction": float(mask.float().mean())}
-        pooled = {}
-        with torch.no_grad():
-            for key, m in models.items():
-                fn = lambda m=m: m(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, -1]  # noqa: E731
-                pooled[key] = fn().float()
-                row[f"{key}_ms"] = time_fn(fn, dev, warmup=2, min_reps=5, target_s=target_s)["wall_ms"]
-        for key in ("ours", "unpad"):
-            row[f"{key}_over_sdpa_speed"] = row["sdpa_ms"] / row[f"{key}_ms"]
-            row[f"{key}_max_diff"] = (pooled[key] - pooled["sdpa"]).abs().max().item()
-        print(json.dumps(row), flush=True)
+        _time_forwards(row, models, lambda m: m(input_ids=ids, attention_mask=mask, use_cache=False)
+                       .last_hidden_state[:, -1], dev, target_s)
         rows.append(row)
     return rows
 
@@ -229,59 +236,49 @@ def full_rows(dev, dtype, smoke, target_s) -> list[dict]:
         ids = torch.randint(5, cfg["vocab_size"], (b, s), generator=g).to(dev)
         mask = torch.ones(b, s, dtype=torch.long, device=dev)
         row = {"model": label, "batch": b, "length": s, "real_fraction": 1.0}
-        outs = {}
-        with torch.no_grad():
-            for key, m in models.items():
-                fn = lambda m=m: m(input_ids=ids, attention_mask=mask).last_hidden_state  # noqa: E731
-                outs[key] = fn().float()
-                row[f"{key}_ms"] = time_fn(fn, dev, warmup=2, min_reps=5, target_s=target_s)["wall_ms"]
-        for key in ("ours", "unpad"):
-            row[f"{key}_over_sdpa_speed"] = row["sdpa_ms"] / row[f"{key}_ms"]
-            row[f"{key}_max_diff"] = (outs[key] - outs["sdpa"]).abs().max().item()
-        print(json.dumps(row), flush=True)
+        _time_forwards(row, models, lambda m: m(input_ids=ids, attention_mask=mask).last_hidden_state, dev, target_s)
         rows.append(row)
         del models
     return rows
 
 
+def _speeds(r, unit, digits):
+    """The cells every table shares: sdpa, ours, unpadded, and the two speed ratios."""
+    return [f"{r['sdpa_' + unit]:.{digits}f}", f"{r['ours_' + unit]:.{digits}f}", f"{r['unpad_' + unit]:.{digits}f}",
+            f"{r['ours_over_sdpa_speed']:.2f}x", f"{r['unpad_over_sdpa_speed']:.2f}x"]
+
+
+def _diff(r):
+    return [f"{max(r['ours_max_diff'], r['unpad_max_diff']):.1e}"]
+
+
+# section: (title, leading columns, their cells of a row, the time unit and digits, with a max diff)
+_TABLES = {
+    "decoder": ("Qwen2-style 0.5B decoder, left padding, last-token pooling (forward)", ["batch x L", "real tokens"],
+                lambda r: [f"{r['batch']} x {r['length']}", f"{r['real_fraction']:.0%}"], ("ms", 2), True),
+    "st": ("sentence-transformers encode(), BERT-base, mean pooling", ["sentences", "order"],
+           lambda r: [f"{r['sentences']} (mean {r['mean_tokens']:.0f} tokens)", r["order"]], ("s", 3), True),
+    "st_train": ("sentence-transformers fine-tuning step, BERT-base, dropout 0.1, in-batch negatives",
+                 ["pairs a batch", "real tokens"],
+                 lambda r: [str(r["pairs_per_batch"]), f"{r['real_fraction']:.0%}"], ("ms", 2), False),
+    "full": ("Full rows (no padding), forward", ["model", "batch x L"],
+             lambda r: [r["model"], f"{r['batch']} x {r['length']}"], ("ms", 2), True),
+}
+
+
 def _markdown(res: dict) -> str:
     lines = ["# Unpadded end to end: decoders and sentence-transformers", "",
              f"Environment: `{json.dumps(res['environment'])}`", ""]
-    if "decoder" in res:
-        lines += ["## Qwen2-style 0.5B decoder, left padding, last-token pooling (forward)", "",
-                  "| batch x L | real tokens | sdpa ms | ours ms | unpadded ms | ours / sdpa | unpadded / sdpa | max diff |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in res["decoder"]:
-            lines.append(f"| {r['batch']} x {r['length']} | {r['real_fraction']:.0%} | {r['sdpa_ms']:.2f} | "
-                         f"{r['ours_ms']:.2f} | {r['unpad_ms']:.2f} | {r['ours_over_sdpa_speed']:.2f}x | "
-                         f"{r['unpad_over_sdpa_speed']:.2f}x | {max(r['ours_max_diff'], r['unpad_max_diff']):.1e} |")
+    for key, (title, lead, cells, (unit, digits), diff) in _TABLES.items():
+        if key not in res:
+            continue
+        cols = lead + [f"sdpa {unit}", f"ours {unit}", f"unpadded {unit}", "ours / sdpa", "unpadded / sdpa"]
+        cols += ["max diff"] if diff else []
+        lines += [f"## {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in res[key]:
+            lines.append("| " + " | ".join(cells(r) + _speeds(r, unit, digits) + (_diff(r) if diff else [])) + " |")
         lines.append("")
-    if "st" in res:
-        lines += ["## sentence-transformers encode(), BERT-base, mean pooling", "",
-                  "| sentences | order | sdpa s | ours s | unpadded s | ours / sdpa | unpadded / sdpa | max diff |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in res["st"]:
-            lines.append(f"| {r['sentences']} (mean {r['mean_tokens']:.0f} tokens) | {r['order']} | {r['sdpa_s']:.3f} | "
-                         f"{r['ours_s']:.3f} | {r['unpad_s']:.3f} | {r['ours_over_sdpa_speed']:.2f}x | "
-                         f"{r['unpad_over_sdpa_speed']:.2f}x | {max(r['ours_max_diff'], r['unpad_max_diff']):.1e} |")
-        lines.append("")
-    if "st_train" in res:
-        lines += ["## sentence-transformers fine-tuning step, BERT-base, dropout 0.1, in-batch negatives", "",
-                  "| pairs a batch | real tokens | sdpa ms | ours ms | unpadded ms | ours / sdpa | unpadded / sdpa |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in res["st_train"]:
-            lines.append(f"| {r['pairs_per_batch']} | {r['real_fraction']:.0%} | {r['sdpa_ms']:.2f} | {r['ours_ms']:.2f} | "
-                         f"{r['unpad_ms']:.2f} | {r['ours_over_sdpa_speed']:.2f}x | {r['unpad_over_sdpa_speed']:.2f}x |")
-        lines.append("")
-    if "full" in res:
-        lines += ["## Full rows (no padding), forward", "",
-                  "| model | batch x L | sdpa ms | ours ms | unpadded ms | ours / sdpa | unpadded / sdpa | max diff |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in res["full"]:
-            lines.append(f"| {r['model']} | {r['batch']} x {r['length']} | {r['sdpa_ms']:.2f} | {r['ours_ms']:.2f} | "
-                         f"{r['unpad_ms']:.2f} | {r['ours_over_sdpa_speed']:.2f}x | {r['unpad_over_sdpa_speed']:.2f}x | "
-                         f"{max(r['ours_max_diff'], r['unpad_max_diff']):.1e} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
 def main() -> None:

@@ -46,6 +46,8 @@ tests() {
   if [ "$bwd" = fa4 ]; then
     step grad-fuzz-copies-pad env RAGGED_COMPILE_BACKEND=fa2 RAGGED_COMPILE_BACKWARD=fa4 RAGGED_COMPILE_FA4_PAD=copies \
       RAGGED_FUZZ_GRAD_EXAMPLES="${GRAD_N:-1000}" python3 -m pytest -q -s fuzz/test_fuzz_grad_cuda.py -k "not variant"
+    step grad-fuzz-redo env RAGGED_COMPILE_BACKEND=fa2 RAGGED_COMPILE_BACKWARD=fa4 RAGGED_COMPILE_FA4_PAD=redo \
+      RAGGED_FUZZ_GRAD_EXAMPLES="${GRAD_N:-1000}" python3 -m pytest -q -s fuzz/test_fuzz_grad_cuda.py -k "not variant"
   fi
   step main-job python3 -m ragged_compile
   if [ "$ngpu" -gt 1 ]; then step dist-tests python3 -m pytest -q -rs tests/test_distributed.py; fi

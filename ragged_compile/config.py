@@ -12,10 +12,15 @@ variable                      values                   read
                               ``varlen``               (the CUDA forward: FlashInfer's kernel
                                                        family, or PyTorch's FlashAttention-2).
 ``RAGGED_COMPILE_BACKWARD``   ``auto``/``fa2``/``fa4``   at every training backward on CUDA.
-``RAGGED_COMPILE_FA4_PAD``    ``fused``/``copies``     at every flash-attn-4 backward: how its
-                                                       isolation layout is written (one Triton
-                                                       gather a side where triton is installed,
-                                                       or PyTorch's copies; backends/tile_pad.py).
+``RAGGED_COMPILE_FA4_PAD``    ``fused``/``copies``/    at every flash-attn-4 backward: how it
+                             ``redo``                 keeps segments independent: a padded
+                                                       layout written by one Triton gather a
+                                                       side where triton is installed, or by
+                                                       PyTorch's copies (backends/tile_pad.py);
+                                                       ``redo``: no padding, segments whose
+                                                       gradients come out non-finite computed
+                                                       again by FlashAttention-2
+                                                       (experimental; fa4_backward.py).
 ============================  =======================  ==========================================
 
 A flag is on for any value but ``""``, ``0``, ``false``, ``no`` and ``off``
@@ -36,7 +41,7 @@ FA4_PAD = "RAGGED_COMPILE_FA4_PAD"
 
 BACKENDS = ("auto", "fa2", "fa3", "varlen")
 BACKWARDS = ("auto", "fa2", "fa4")
-FA4_PADS = ("fused", "copies")
+FA4_PADS = ("fused", "copies", "redo")
 
 _OFF = ("", "0", "false", "no", "off")
 

@@ -593,7 +593,8 @@ def _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, lens
     work = select.backward_work(q.shape[1], k.shape[1], q.shape[0], k.shape[0], pairs, causal)
     if select.backward_kernel(q.device, q.dtype, q.shape[-1], work, variant, slots) == "fa4":
         try:
-            return fa4_backward.backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale)
+            return fa4_backward.backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale,
+                                         (max_q, max_k))
         except Exception as err:  # noqa: BLE001 - select decides: re-raise, or FA2 from now on
             select.fa4_failed(err, q.device, q.dtype, q.shape[-1])
     return flash_backward.backward(

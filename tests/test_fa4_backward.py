@@ -44,9 +44,10 @@ def fa4_contract(q, k, v, out, dout, lse, *, softmax_scale, causal, cu_seqlens_q
         if lq == 0 or lk == 0:
             continue
         rq, rk = -(-lq // tm) * tm, -(-lk // tn) * tn
-        Q, O, dO = (t[sq : sq + rq].to(f) for t in (q, out, dout))
-        K, V = (t[sk : sk + rk].to(f).repeat_interleave(group, 1) for t in (k, v))
-        L = lse[:, sq : sq + rq].to(f).clone()
+        # past the tensor's last row a tile reads zeros (TMA's out-of-bounds fill)
+        Q, O, dO = (_rows(t, sq, rq).to(f) for t in (q, out, dout))
+        K, V = (_rows(t, sk, rk).to(f).repeat_interleave(group, 1) for t in (k, v))
+        L = _rows(lse.t(), sq, rq).t().to(f).clone()
         L[:, lq:] = math.inf
         S = torch.einsum("qhd,khd->hqk", Q, K) * softmax_scale
         keep = torch.ones(rq, rk, dtype=torch.bool)
@@ -65,6 +66,11 @@ def fa4_contract(q, k, v, out, dout, lse, *, softmax_scale, causal, cu_seqlens_q
         dk[sk : sk + lk] += gk[:lk].unflatten(1, (-1, group)).sum(2)
         dv[sk : sk + lk] += gv[:lk].unflatten(1, (-1, group)).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _rows(t, start, n):
+    got = t[start : start + n]
+    return torch.cat([got, got.new_zeros((n - got.shape[0], *got.shape[1:]))]) if got.shape[0] < n else got
 
 
 @pytest.fixture
@@ -123,6 +129,15 @@ def test_head_dims_fa4_gets_wrong_are_padded_with_the_true_scale(fa4):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _poisoned(tensors, cq, ck, where, poison, seg):
+    """(q, k, v, grad_out) with segment ``seg``'s rows of one of them set to ``poison``."""
+    i = ("q", "k", "v", "grad_out").index(where)
+    cu = cq if where in ("q", "grad_out") else ck
+    t = tensors[i].clone()
+    t[int(cu[seg]) : int(cu[seg + 1])] = poison
+    return tensors[:i] + (t,) + tensors[i + 1 :]
+
+
 @pytest.mark.parametrize("where", ["q", "k", "v", "grad_out"])
 @pytest.mark.parametrize("poison", [math.nan, math.inf])
 def test_non_finite_in_one_segment_stays_there(fa4, where, poison):
@@ -130,11 +145,7 @@ def test_non_finite_in_one_segment_stays_there(fa4, where, poison):
     q, k, v, go, cq, ck = _case(lq, lk)
     clean = _grads(q, k, v, go, cq, ck, False, 0.3)
     seg = 1
-    t = {"q": q, "k": k, "v": v, "grad_out": go}[where].clone()
-    cu = cq if where in ("q", "grad_out") else ck
-    t[int(cu[seg]) : int(cu[seg + 1])] = poison
-    args = {"q": q, "k": k, "v": v, "grad_out": go, where: t}
-    got = _grads(args["q"], args["k"], args["v"], args["grad_out"], cq, ck, False, 0.3)
+    got = _grads(*_poisoned((q, k, v, go), cq, ck, where, poison, seg), cq, ck, False, 0.3)
     for g, c, cu in zip(got, clean, (cq, ck, ck)):
         for i in range(len(lq)):
             if i == seg:
@@ -324,3 +335,95 @@ def test_a_backward_pass_builds_each_padded_layout_once(fa4, monkeypatch):
     built.clear()
     Edited.apply(x).sum().backward()
     assert len(built) == 3
+
+
+# -- isolation by recompute (RAGGED_COMPILE_FA4_PAD=redo) -----------------------------------
+
+
+@pytest.fixture
+def redo(fa4, monkeypatch):
+    from test_train_ops import _fa2_contract
+
+    from ragged_compile.backends import flash_backward
+
+    calls = []
+
+    def fa2(*args, **kw):
+        calls.append((args[6].clone(), args[7].clone()))  # the offsets it ran on
+        return _fa2_contract(*args, **kw)
+
+    monkeypatch.setenv("RAGGED_COMPILE_FA4_PAD", "redo")
+    monkeypatch.setattr(flash_backward, "_kernel", fa2)
+    return calls
+
+
+def _redo_grads(q, k, v, go, cq, ck, causal, scale):
+    out = reference_attention(q, k, v, cq, ck, causal, scale)
+    lse = reference.reference_lse(q, k, cq, ck, causal, scale).float()
+    lens = (int((cq[1:] - cq[:-1]).max()), int((ck[1:] - ck[:-1]).max()))
+    return fa4_backward.backward(go, q, k, v, out, lse, cq, ck, causal, scale, lens)
+
+
+@pytest.mark.parametrize("lq,lk", LAYOUTS[:2] + LAYOUTS[3:])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2)])
+def test_redo_gradients_match_the_exact_reference(redo, lq, lk, causal, hq, hkv):
+    q, k, v, go, cq, ck = _case(lq, lk, hq, hkv, d=64)
+    got = _redo_grads(q, k, v, go, cq, ck, causal, 0.3)
+    want = reference_attention_backward(go, q, k, v, cq, ck, causal, 0.3)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"d{name}")
+    # nothing to redo: FlashAttention-2 ran once, on offsets where no segment has both
+    # queries and keys
+    (cq2, ck2), = redo
+    lq2, lk2 = (cq2[1:] - cq2[:-1]), (ck2[1:] - ck2[:-1])
+    assert cq2.numel() == 2 * len(lq) + 1 and not ((lq2 > 0) & (lk2 > 0)).any()
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v", "grad_out"])
+@pytest.mark.parametrize("poison", [math.nan, math.inf])
+@pytest.mark.parametrize("causal", [False, True])
+def test_redo_keeps_a_non_finite_segment_to_itself(redo, where, poison, causal):
+    lq, lk = [6, 4, 9, 3], [8, 3, 5, 6]
+    q, k, v, go, cq, ck = _case(lq, lk, d=64)
+    clean = _redo_grads(q, k, v, go, cq, ck, causal, 0.3)
+    seg = 1
+    redo.clear()
+    got = _redo_grads(*_poisoned((q, k, v, go), cq, ck, where, poison, seg), cq, ck, causal, 0.3)
+    for g, c, cu in zip(got, clean, (cq, ck, ck)):
+        for i in range(len(lq)):
+            if i == seg:
+                continue
+            rows = slice(int(cu[i]), int(cu[i + 1]))
+            assert torch.isfinite(g[rows]).all(), f"segment {i} reached by a {poison} in segment {seg}'s {where}"
+            torch.testing.assert_close(g[rows], c[rows], rtol=1e-9, atol=1e-12)
+    # the recompute had work exactly in the segments the non-finite rows were in
+    (cq2, ck2), = redo
+    work = ((cq2[1:] - cq2[:-1]) > 0) & ((ck2[1:] - ck2[:-1]) > 0)
+    redone = {i // 2 for i in work.nonzero().flatten().tolist()}
+    assert seg in redone and redone <= {seg - 1, seg, seg + 1}
+
+
+def test_without_redo_the_contract_model_leaks_on_the_natural_layout(fa4, monkeypatch):
+    """The redo test above can fail: the natural layout alone leaks (the recompute off)."""
+    monkeypatch.setattr(fa4_backward, "_non_finite_segments", lambda grads, seg, n: torch.zeros(n, dtype=torch.bool))
+    monkeypatch.setenv("RAGGED_COMPILE_FA4_PAD", "redo")
+    from test_train_ops import _fa2_contract
+
+    from ragged_compile.backends import flash_backward
+
+    monkeypatch.setattr(flash_backward, "_kernel", _fa2_contract)
+    q, k, v, go, cq, ck = _case([6, 4], [8, 3], d=64)
+    q = q.clone()
+    q[6:] = math.nan
+    dq, dk, dv = _redo_grads(q, k, v, go, cq, ck, False, 0.3)
+    assert not torch.isfinite(dk[:8]).all() or not torch.isfinite(dv[:8]).all()
+
+
+def test_redo_only_where_fa4_takes_the_head_dim_as_it_is(monkeypatch):
+    monkeypatch.setenv("RAGGED_COMPILE_FA4_PAD", "redo")
+    cpu = torch.device("cpu")
+    assert fa4_backward.redo_isolation(cpu, 128, 100) and not fa4_backward.redo_isolation(cpu, 80, 100)
+    assert not fa4_backward.redo_isolation(cpu, 128, 40_000)  # doubled past FlashAttention-2's segment limit
+    monkeypatch.setenv("RAGGED_COMPILE_FA4_PAD", "fused")
+    assert not fa4_backward.redo_isolation(cpu, 128, 100)

@@ -78,7 +78,7 @@ def test_the_fused_kernel_is_the_cuda_default_where_triton_is(monkeypatch):
     monkeypatch.setenv(config.FA4_PAD, "fused")
     assert not tile_pad.fused(torch.device("cpu"))
     monkeypatch.setenv(config.FA4_PAD, "sideways")
-    with pytest.raises(ValueError, match="RAGGED_COMPILE_FA4_PAD must be one of fused, copies"):
+    with pytest.raises(ValueError, match="RAGGED_COMPILE_FA4_PAD must be one of fused, copies, redo"):
         tile_pad.fused(torch.device("cuda"))
 
 

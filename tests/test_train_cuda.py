@@ -39,6 +39,7 @@ def _backward_kernels():
     if torch.cuda.is_available() and fa4_backward.unsupported_reason(torch.device("cuda"), torch.bfloat16, 128) is None:
         out.append("fa4")  # its isolation layout written by the fused Triton gather (tile_pad.py)
         out.append("fa4-copies")  # ... and by PyTorch's copies
+        out.append("fa4-redo")  # isolation by recompute: the natural layout, FA2 where gradients come out non-finite
     return out
 
 

@@ -26,7 +26,8 @@ import threading
 
 import torch
 
-from . import tile_pad
+from .. import config
+from . import flash_backward, tile_pad
 
 __all__ = ["installed", "unsupported_reason", "backward", "fa4_head_dim"]
 
@@ -128,12 +129,17 @@ def backward(
     cu_k: torch.Tensor,
     causal: bool,
     scale: float,
+    max_lens: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) for ``out = ragged_attention(q, k, v, cu_q, cu_k, causal, scale)``;
-    ``lse`` in aten's layout. The caller checked :func:`unsupported_reason`."""
+    ``lse`` in aten's layout; ``max_lens``: the longest q and k segment (host ints),
+    which :func:`redo_isolation`'s recompute needs. The caller checked
+    :func:`unsupported_reason`."""
     Tq, Tk, d = q.shape[0], k.shape[0], q.shape[-1]
     if cu_q.numel() <= 1 or Tq == 0 or Tk == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if max_lens is not None and redo_isolation(q.device, d, cu_q.numel() - 1):
+        return _backward_redo(grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale, max_lens)
     dp = fa4_head_dim(d)
     tile_m, tile_n = _tiles(dp, causal)
     lay_q, lay_k = _padded_layout(cu_q, Tq, tile_m), _padded_layout(cu_k, Tk, tile_n)
@@ -152,6 +158,66 @@ def backward(
     (dq,) = tile_pad.unpad_rows((dq,), lay_q, d)
     dk, dv = tile_pad.unpad_rows((dk, dv), lay_k, d)
     return dq, dk, dv
+
+
+# -- isolation by recompute -------------------------------------------------------------
+# The tiles' overrun reaches a segment only through products with exact zeros (masked
+# probabilities, masked scores), so finite rows of a neighbour change nothing, and a NaN
+# or Inf there makes the segment's gradient rows non-finite: never a finite wrong value.
+# So the kernel can run on the layout as it is, and a segment whose gradients come out
+# non-finite (contaminated, or non-finite of its own) is computed again by
+# FlashAttention-2, which reads no row past a segment's end. Without a sync: the second
+# call always runs, on offsets where every other segment has no work (its q rows no
+# keys, its k rows no queries), and its rows replace the first call's only there.
+
+
+def redo_isolation(device: torch.device, head_dim: int, segments: int) -> bool:
+    """Whether isolation is by recompute here (``RAGGED_COMPILE_FA4_PAD=redo``): a
+    head dim FA4 computes as it is (no padding copies) and, doubled, within
+    FlashAttention-2's segment limit (elsewhere the fused padded layout)."""
+    return (
+        config.choice(config.FA4_PAD, config.FA4_PADS) == "redo"
+        and head_dim in _HEAD_DIMS
+        and 2 * segments <= flash_backward.MAX_SEGMENTS
+    )
+
+
+def _backward_redo(grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale, max_lens):
+    cu_q32, cu_k32 = cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous()
+    lens_q, lens_k = cu_q32[1:] - cu_q32[:-1], cu_k32[1:] - cu_k32[:-1]
+    q, k, v, out = (t.contiguous() for t in (q, k, v, out))
+    dq, dk, dv = _kernel(
+        q, k, v, out, grad_out.to(q.dtype).contiguous(), lse.contiguous(),
+        softmax_scale=scale, causal=causal, cu_seqlens_q=cu_q32, cu_seqlens_k=cu_k32,
+        seqused_q=lens_q, seqused_k=lens_k,
+    )
+    n = lens_q.numel()
+    seg_q = _segment_of_rows(lens_q, q.shape[0])
+    seg_k = _segment_of_rows(lens_k, k.shape[0])
+    redo = _non_finite_segments((dq,), seg_q, n) | _non_finite_segments((dk, dv), seg_k, n)
+    # 2n segments: segment i's q rows, with its keys only where it is redone; then its k
+    # rows, with no queries, where it is not
+    zero = torch.zeros_like(lens_k)
+    pair_q = torch.stack([lens_q, torch.zeros_like(lens_q)], 1).flatten()
+    pair_k = torch.stack([torch.where(redo, lens_k, zero), torch.where(redo, zero, lens_k)], 1).flatten()
+    cu_q2 = torch.nn.functional.pad(pair_q.cumsum(0, dtype=torch.int32), (1, 0))
+    cu_k2 = torch.nn.functional.pad(pair_k.cumsum(0, dtype=torch.int32), (1, 0))
+    again = flash_backward.backward(grad_out, q, k, v, out, lse, cu_q2, cu_k2, *max_lens, causal, scale)
+    rows_q, rows_k = redo[seg_q][:, None, None], redo[seg_k][:, None, None]
+    return torch.where(rows_q, again[0], dq), torch.where(rows_k, again[1], dk), torch.where(rows_k, again[2], dv)
+
+
+def _segment_of_rows(lens: torch.Tensor, total: int) -> torch.Tensor:
+    """int64 ``[total]``: the segment of each row (no sync: ``total`` is the host's)."""
+    return torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens, output_size=total)
+
+
+def _non_finite_segments(grads, seg: torch.Tensor, n: int) -> torch.Tensor:
+    """bool ``[n]``: the segments where any of ``grads``' rows holds a NaN or Inf."""
+    bad = torch.zeros(seg.shape, dtype=torch.bool, device=seg.device)
+    for g in grads:
+        bad |= ~torch.isfinite(g).flatten(1).all(1)
+    return torch.zeros(n, dtype=torch.int32, device=seg.device).index_add_(0, seg, bad.to(torch.int32)) > 0
 
 
 def _padded_layout(cu: torch.Tensor, total: int, tile: int) -> tile_pad.Layout:

@@ -70,7 +70,9 @@ def layout(cu: torch.Tensor, total: int, tile: int) -> Layout:
 
 def fused(device: torch.device) -> bool:
     """Whether :func:`pad_rows` / :func:`unpad_rows` run the Triton kernel here."""
-    return device.type == "cuda" and config.choice(config.FA4_PAD, config.FA4_PADS) == "fused" and _triton() is not None
+    # "redo" isolates by recompute where it can (fa4_backward.py); elsewhere it pads as "fused"
+    mode = config.choice(config.FA4_PAD, config.FA4_PADS)
+    return device.type == "cuda" and mode in ("fused", "redo") and _triton() is not None
 
 
 def pad_rows(tensors, lay: Layout, dim: int) -> list[torch.Tensor]:

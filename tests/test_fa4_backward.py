@@ -427,3 +427,23 @@ def test_redo_only_where_fa4_takes_the_head_dim_as_it_is(monkeypatch):
     assert not fa4_backward.redo_isolation(cpu, 128, 40_000)  # doubled past FlashAttention-2's segment limit
     monkeypatch.setenv("RAGGED_COMPILE_FA4_PAD", "fused")
     assert not fa4_backward.redo_isolation(cpu, 128, 100)
+
+
+def test_redo_merges_with_the_triton_row_copy(redo, monkeypatch):
+    """The same isolation with the recompute's rows copied by the Triton kernel (run
+    by Triton's interpreter here) instead of torch.where."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    tile_pad._triton.cache_clear()
+    try:
+        lq, lk = [6, 4, 9, 3], [8, 3, 5, 6]
+        q, k, v, go, cq, ck = _case(lq, lk, d=64, dtype=torch.float32)
+        clean = _redo_grads(q, k, v, go, cq, ck, True, 0.3)
+        got = _redo_grads(*_poisoned((q, k, v, go), cq, ck, "v", math.nan, 2), cq, ck, True, 0.3)
+    finally:
+        tile_pad._triton.cache_clear()
+    for g, c, cu in zip(got, clean, (cq, ck, ck)):
+        for i in (0, 1, 3):
+            rows = slice(int(cu[i]), int(cu[i + 1]))
+            torch.testing.assert_close(g[rows], c[rows], rtol=1e-5, atol=1e-6)
+    assert not torch.isfinite(got[0][int(cq[2]): int(cq[3])]).all()  # its own NaN stays

@@ -168,7 +168,8 @@ def backward(
 # non-finite (contaminated, or non-finite of its own) is computed again by
 # FlashAttention-2, which reads no row past a segment's end. Without a sync: the second
 # call always runs, on offsets where every other segment has no work (its q rows no
-# keys, its k rows no queries), and its rows replace the first call's only there.
+# keys, its k rows no queries), and its rows replace the first call's only there (one
+# Triton launch a side that reads a byte for each row left alone).
 
 
 def redo_isolation(device: torch.device, head_dim: int, segments: int) -> bool:
@@ -203,8 +204,9 @@ def _backward_redo(grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale, max_l
     cu_q2 = torch.nn.functional.pad(pair_q.cumsum(0, dtype=torch.int32), (1, 0))
     cu_k2 = torch.nn.functional.pad(pair_k.cumsum(0, dtype=torch.int32), (1, 0))
     again = flash_backward.backward(grad_out, q, k, v, out, lse, cu_q2, cu_k2, *max_lens, causal, scale)
-    rows_q, rows_k = redo[seg_q][:, None, None], redo[seg_k][:, None, None]
-    return torch.where(rows_q, again[0], dq), torch.where(rows_k, again[1], dk), torch.where(rows_k, again[2], dv)
+    (dq,) = tile_pad.copy_rows_where(redo[seg_q], again[:1], (dq,))
+    dk, dv = tile_pad.copy_rows_where(redo[seg_k], again[1:], (dk, dv))
+    return dq, dk, dv
 
 
 def _segment_of_rows(lens: torch.Tensor, total: int) -> torch.Tensor:

@@ -383,11 +383,11 @@ def test_redo_gradients_match_the_exact_reference(redo, lq, lk, causal, hq, hkv)
 @pytest.mark.parametrize("where", ["q", "k", "v", "grad_out"])
 @pytest.mark.parametrize("poison", [math.nan, math.inf])
 @pytest.mark.parametrize("causal", [False, True])
-def test_redo_keeps_a_non_finite_segment_to_itself(redo, where, poison, causal):
+@pytest.mark.parametrize("seg", [0, 1, 3])
+def test_redo_keeps_a_non_finite_segment_to_itself(redo, where, poison, causal, seg):
     lq, lk = [6, 4, 9, 3], [8, 3, 5, 6]
     q, k, v, go, cq, ck = _case(lq, lk, d=64)
     clean = _redo_grads(q, k, v, go, cq, ck, causal, 0.3)
-    seg = 1
     redo.clear()
     got = _redo_grads(*_poisoned((q, k, v, go), cq, ck, where, poison, seg), cq, ck, causal, 0.3)
     for g, c, cu in zip(got, clean, (cq, ck, ck)):
@@ -402,6 +402,20 @@ def test_redo_keeps_a_non_finite_segment_to_itself(redo, where, poison, causal):
     work = ((cq2[1:] - cq2[:-1]) > 0) & ((ck2[1:] - ck2[:-1]) > 0)
     redone = {i // 2 for i in work.nonzero().flatten().tolist()}
     assert seg in redone and redone <= {seg - 1, seg, seg + 1}
+
+
+@pytest.mark.parametrize("seg", range(5))
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 1)])
+def test_redo_isolates_each_segment_of_a_cross_layout_with_empty_segments(redo, seg, hq, hkv):
+    lq, lk = LAYOUTS[0]  # empty q and k segments, Lq > Lk and Lq < Lk
+    q, k, v, go, cq, ck = _case(lq, lk, hq, hkv, d=64)
+    want = reference_attention_backward(go, q, k, v, cq, ck, True, 0.3)
+    got = _redo_grads(*_poisoned((q, k, v, go), cq, ck, "k", math.nan, seg), cq, ck, True, 0.3)
+    for g, c, cu in zip(got, want, (cq, ck, ck)):
+        for i in range(len(lq)):
+            if i != seg:
+                rows = slice(int(cu[i]), int(cu[i + 1]))
+                torch.testing.assert_close(g[rows], c[rows], rtol=1e-5, atol=1e-6)
 
 
 def test_without_redo_the_contract_model_leaks_on_the_natural_layout(fa4, monkeypatch):

@@ -166,7 +166,10 @@ def backward(
 # or Inf there makes the segment's gradient rows non-finite: never a finite wrong value.
 # So the kernel can run on the layout as it is, and a segment whose gradients come out
 # non-finite (contaminated, or non-finite of its own) is computed again by
-# FlashAttention-2, which reads no row past a segment's end. Without a sync: the second
+# FlashAttention-2, which reads no row past a segment's end. This rests on the kernel's
+# writes stopping at each segment's end (per-segment bounded stores in its upstream
+# source); the CUDA gradient fuzz with this mode, on finite data against float64, is
+# what checks it on the installed version. Without a sync: the second
 # call always runs, on offsets where every other segment has no work (its q rows no
 # keys, its k rows no queries), and its rows replace the first call's only there (one
 # Triton launch a side that reads a byte for each row left alone).

@@ -163,8 +163,13 @@ def _triton():
 
 def copy_rows_where(flags: torch.Tensor, srcs, dsts) -> list[torch.Tensor]:
     """``dst[r] = src[r]`` where ``flags[r]`` (bool ``[T]``), for up to two pairs of
-    contiguous ``[T, ...]`` tensors of one shape: in place, one Triton launch, where
-    the kernel is available on the device; else ``torch.where`` (a full pass)."""
+    contiguous ``[T, ...]`` tensors of one shape and dtype: in place (the returned
+    tensors are ``dsts``), one Triton launch, where the kernel is available on the
+    device; else ``torch.where`` (a full pass, new tensors)."""
+    if len(srcs) != len(dsts) or not 1 <= len(srcs) <= 2 or flags.shape != dsts[0].shape[:1] or any(
+        s.shape != dsts[0].shape or s.dtype != dsts[0].dtype or d.shape != dsts[0].shape for s, d in zip(srcs, dsts)
+    ):
+        raise ValueError("copy_rows_where takes one or two (src, dst) pairs of one shape and dtype, and a flag per row")
     dev = dsts[0].device
     kernel = _triton() if dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else None
     if kernel is None or not all(t.is_contiguous() for t in (*srcs, *dsts)):
@@ -174,7 +179,7 @@ def copy_rows_where(flags: torch.Tensor, srcs, dsts) -> list[torch.Tensor]:
     rows, row_elems = dsts[0].shape[0], math.prod(dsts[0].shape[1:])
     if rows and row_elems:
         pairs = list(zip(srcs, dsts)) + [(srcs[0], dsts[0])] * (2 - len(srcs))
-        copy[(rows,)](flags.to(torch.int8), pairs[0][0], pairs[0][1], pairs[1][0], pairs[1][1], row_elems,
+        copy[(rows,)](flags.to(torch.int8).contiguous(), pairs[0][0], pairs[0][1], pairs[1][0], pairs[1][1], row_elems,
                       N=len(srcs), BLOCK=min(4096, triton.next_power_of_2(row_elems)))
     return list(dsts)
 

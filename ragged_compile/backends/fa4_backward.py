@@ -196,25 +196,21 @@ def _backward_redo(grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale, max_l
         seqused_q=lens_q, seqused_k=lens_k,
     )
     n = lens_q.numel()
-    seg_q = _segment_of_rows(lens_q, q.shape[0])
-    seg_k = _segment_of_rows(lens_k, k.shape[0])
+    # the segment of each row (no sync: the row counts are the host's); self-attention's once
+    seg_q = torch.repeat_interleave(lens_q, output_size=q.shape[0])
+    seg_k = seg_q if cu_k is cu_q else torch.repeat_interleave(lens_k, output_size=k.shape[0])
     redo = _non_finite_segments((dq,), seg_q, n) | _non_finite_segments((dk, dv), seg_k, n)
     # 2n segments: segment i's q rows, with its keys only where it is redone; then its k
     # rows, with no queries, where it is not
-    zero = torch.zeros_like(lens_k)
+    kept_k = torch.where(redo, lens_k, 0)
     pair_q = torch.stack([lens_q, torch.zeros_like(lens_q)], 1).flatten()
-    pair_k = torch.stack([torch.where(redo, lens_k, zero), torch.where(redo, zero, lens_k)], 1).flatten()
+    pair_k = torch.stack([kept_k, lens_k - kept_k], 1).flatten()
     cu_q2 = torch.nn.functional.pad(pair_q.cumsum(0, dtype=torch.int32), (1, 0))
     cu_k2 = torch.nn.functional.pad(pair_k.cumsum(0, dtype=torch.int32), (1, 0))
     again = flash_backward.backward(grad_out, q, k, v, out, lse, cu_q2, cu_k2, *max_lens, causal, scale)
     (dq,) = tile_pad.copy_rows_where(redo[seg_q], again[:1], (dq,))
     dk, dv = tile_pad.copy_rows_where(redo[seg_k], again[1:], (dk, dv))
     return dq, dk, dv
-
-
-def _segment_of_rows(lens: torch.Tensor, total: int) -> torch.Tensor:
-    """int64 ``[total]``: the segment of each row (no sync: ``total`` is the host's)."""
-    return torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens, output_size=total)
 
 
 def _non_finite_segments(grads, seg: torch.Tensor, n: int) -> torch.Tensor:

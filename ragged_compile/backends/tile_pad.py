@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -161,6 +160,11 @@ def _triton():
     return triton, gather_rows, copy_flagged_rows
 
 
+def _row_copy_runs(device: torch.device) -> bool:
+    # a seam: CPU tests run the kernel under Triton's interpreter
+    return device.type == "cuda" and _triton() is not None
+
+
 def copy_rows_where(flags: torch.Tensor, srcs, dsts) -> list[torch.Tensor]:
     """``dst[r] = src[r]`` where ``flags[r]`` (bool ``[T]``), for up to two pairs of
     contiguous ``[T, ...]`` tensors of one shape and dtype: in place (the returned
@@ -170,12 +174,10 @@ def copy_rows_where(flags: torch.Tensor, srcs, dsts) -> list[torch.Tensor]:
         s.shape != dsts[0].shape or s.dtype != dsts[0].dtype or d.shape != dsts[0].shape for s, d in zip(srcs, dsts)
     ):
         raise ValueError("copy_rows_where takes one or two (src, dst) pairs of one shape and dtype, and a flag per row")
-    dev = dsts[0].device
-    kernel = _triton() if dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else None
-    if kernel is None or not all(t.is_contiguous() for t in (*srcs, *dsts)):
+    if not _row_copy_runs(dsts[0].device) or not all(t.is_contiguous() for t in (*srcs, *dsts)):
         mask = flags.view(-1, *([1] * (dsts[0].dim() - 1)))
         return [torch.where(mask, s, d) for s, d in zip(srcs, dsts)]
-    triton, _, copy = kernel
+    triton, _, copy = _triton()
     rows, row_elems = dsts[0].shape[0], math.prod(dsts[0].shape[1:])
     if rows and row_elems:
         pairs = list(zip(srcs, dsts)) + [(srcs[0], dsts[0])] * (2 - len(srcs))

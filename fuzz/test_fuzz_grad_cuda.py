@@ -125,8 +125,11 @@ def test_gradients_match_float64_autograd(forward, monkeypatch):
         for name, a, b in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want):
             _check(name, a, b, case.dtype, case)
         ran["examples"] += 1
-        layout = (len(case.q_lengths), case.layout.total_q, case.layout.total_k)
-        ran["backward_" + select.backward_kernel(q.device, q.dtype, q.shape[-1], layout)] += 1
+        total_q, total_k = case.layout.total_q, case.layout.total_k
+        pairs = sum(a * b for a, b in zip(case.q_lengths, case.k_lengths))
+        work = select.backward_work(case.hq, case.hkv, total_q, total_k, pairs, case.causal)
+        slots = (len(case.q_lengths), total_q, total_k)
+        ran["backward_" + select.backward_kernel(q.device, q.dtype, q.shape[-1], work, (), slots)] += 1
         ran[str(case.dtype)] += 1
         ran[f"d{case.head_dim}"] += 1
         ran[f"gqa{case.hq // case.hkv}"] += 1

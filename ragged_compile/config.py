@@ -41,7 +41,7 @@ FA4_PAD = "RAGGED_COMPILE_FA4_PAD"
 
 BACKENDS = ("auto", "fa2", "fa3", "varlen")
 BACKWARDS = ("auto", "fa2", "fa4")
-FA4_PADS = ("fused", "copies", "redo")
+FA4_PADS = ("redo", "fused", "copies")
 
 _OFF = ("", "0", "false", "no", "off")
 

@@ -14,7 +14,7 @@ import torch
 
 from ragged_compile import ops, reference
 from ragged_compile.backends import select
-from ragged_compile.backends import fa4_backward, tile_pad
+from ragged_compile.backends import fa4_backward, segment_backward, tile_pad
 from ragged_compile.reference import reference_attention, reference_attention_backward
 
 TILES = (5, 7)  # odd tiles, so padded and unpadded layouts differ everywhere
@@ -204,6 +204,7 @@ def test_unsupported_reasons_name_the_limit(monkeypatch):
 
 def test_auto_takes_fa4_only_where_the_work_per_row_repays_isolation(monkeypatch):
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
+    monkeypatch.setenv("RAGGED_COMPILE_FA4_PAD", "fused")  # isolation by the padded layout
     monkeypatch.setattr(fa4_backward, "unsupported_reason", lambda *a: None)
     cuda = torch.device("cuda", 0)
     # 250 segments of ~130 tokens (a short flood) against 16 of ~2,100 (mixed), 16 heads of 128
@@ -232,14 +233,20 @@ def test_auto_takes_fa4_only_where_the_work_per_row_repays_isolation(monkeypatch
 def test_auto_keeps_fa2_where_the_isolation_layout_would_multiply_memory(monkeypatch):
     """The padded buffers are sized from the segment slots on the host: a compiled
     packed batch with a slot per token (4 documents of 8192, one slot each token)
-    would pad to ~128x its rows, however much work each row has."""
+    would pad to ~128x its rows, however much work each row has. Isolation by
+    recompute pads nothing, so it takes FA4 there."""
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
+    monkeypatch.setenv("RAGGED_COMPILE_FA4_PAD", "fused")
     monkeypatch.setattr(fa4_backward, "unsupported_reason", lambda *a: None)
     cuda = torch.device("cuda", 0)
     work = select.backward_work(16, 16, 32768, 32768, 4 * 8192 * 8192, True)
     assert select.fa4_backward_pays(128, work)
     assert select.backward_kernel(cuda, torch.bfloat16, 128, work, slots=(4, 32768, 32768)) == "fa4"
     assert select.backward_kernel(cuda, torch.bfloat16, 128, work, slots=(32768, 32768, 32768)) == "fa2"
+    monkeypatch.setenv("RAGGED_COMPILE_FA4_PAD", "redo")
+    assert select.backward_kernel(cuda, torch.bfloat16, 128, work, slots=(32768, 32768, 32768)) == "fa4"
+    # ... at the head dims it takes as they are; 80 is padded to 96, so it keeps the guard
+    assert select.backward_kernel(cuda, torch.bfloat16, 80, work, slots=(32768, 32768, 32768)) == "fa2"
     assert fa4_backward.pads_little(16, 34043, 34043) and not fa4_backward.pads_little(300, 9000, 9000)
     assert not fa4_backward.pads_little(16, 34043, 77 * 16)  # short text k/v of a cross-attention
 
@@ -342,19 +349,18 @@ def test_a_backward_pass_builds_each_padded_layout_once(fa4, monkeypatch):
 
 @pytest.fixture
 def redo(fa4, monkeypatch):
-    from test_train_ops import _fa2_contract
+    """Isolation by recompute, recording the segment flags each recompute was given
+    (on the CPU it computes the flagged segments with the reference backward)."""
+    flags = []
+    real = segment_backward.recompute
 
-    from ragged_compile.backends import flash_backward
-
-    calls = []
-
-    def fa2(*args, **kw):
-        calls.append((args[6].clone(), args[7].clone()))  # the offsets it ran on
-        return _fa2_contract(*args, **kw)
+    def spy(redo, *args, **kw):
+        flags.append(redo.clone())
+        return real(redo, *args, **kw)
 
     monkeypatch.setenv("RAGGED_COMPILE_FA4_PAD", "redo")
-    monkeypatch.setattr(flash_backward, "_kernel", fa2)
-    return calls
+    monkeypatch.setattr(segment_backward, "recompute", spy)
+    return flags
 
 
 def _redo_grads(q, k, v, go, cq, ck, causal, scale):
@@ -373,11 +379,8 @@ def test_redo_gradients_match_the_exact_reference(redo, lq, lk, causal, hq, hkv)
     want = reference_attention_backward(go, q, k, v, cq, ck, causal, 0.3)
     for name, a, b in zip("qkv", got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"d{name}")
-    # nothing to redo: FlashAttention-2 ran once, on offsets where no segment has both
-    # queries and keys
-    (cq2, ck2), = redo
-    lq2, lk2 = (cq2[1:] - cq2[:-1]), (ck2[1:] - ck2[:-1])
-    assert cq2.numel() == 2 * len(lq) + 1 and not ((lq2 > 0) & (lk2 > 0)).any()
+    (flags,) = redo  # nothing to redo
+    assert flags.shape == (len(lq),) and not flags.any()
 
 
 @pytest.mark.parametrize("where", ["q", "k", "v", "grad_out"])
@@ -396,11 +399,11 @@ def test_redo_keeps_a_non_finite_segment_to_itself(redo, where, poison, causal, 
                 continue
             rows = slice(int(cu[i]), int(cu[i + 1]))
             assert torch.isfinite(g[rows]).all(), f"segment {i} reached by a {poison} in segment {seg}'s {where}"
-            torch.testing.assert_close(g[rows], c[rows], rtol=1e-9, atol=1e-12)
-    # the recompute had work exactly in the segments the non-finite rows were in
-    (cq2, ck2), = redo
-    work = ((cq2[1:] - cq2[:-1]) > 0) & ((ck2[1:] - ck2[:-1]) > 0)
-    redone = {i // 2 for i in work.nonzero().flatten().tolist()}
+            # a recomputed neighbour comes from the reference backward, rounded apart
+            torch.testing.assert_close(g[rows], c[rows], rtol=1e-5, atol=1e-6)
+    # the recompute took the segment the non-finite rows were in, and at most its neighbours
+    (flags,) = redo
+    redone = set(flags.nonzero().flatten().tolist())
     assert seg in redone and redone <= {seg - 1, seg, seg + 1}
 
 
@@ -422,11 +425,6 @@ def test_without_redo_the_contract_model_leaks_on_the_natural_layout(fa4, monkey
     """The redo test above can fail: the natural layout alone leaks (the recompute off)."""
     monkeypatch.setattr(fa4_backward, "_non_finite_segments", lambda grads, seg, n: torch.zeros(n, dtype=torch.bool))
     monkeypatch.setenv("RAGGED_COMPILE_FA4_PAD", "redo")
-    from test_train_ops import _fa2_contract
-
-    from ragged_compile.backends import flash_backward
-
-    monkeypatch.setattr(flash_backward, "_kernel", _fa2_contract)
     q, k, v, go, cq, ck = _case([6, 4], [8, 3], d=64)
     q = q.clone()
     q[6:] = math.nan
@@ -435,30 +433,8 @@ def test_without_redo_the_contract_model_leaks_on_the_natural_layout(fa4, monkey
 
 
 def test_redo_only_where_fa4_takes_the_head_dim_as_it_is(monkeypatch):
-    monkeypatch.setenv("RAGGED_COMPILE_FA4_PAD", "redo")
-    cpu = torch.device("cpu")
-    assert fa4_backward.redo_isolation(cpu, 128, 100) and not fa4_backward.redo_isolation(cpu, 80, 100)
-    assert not fa4_backward.redo_isolation(cpu, 128, 40_000)  # doubled past FlashAttention-2's segment limit
+    monkeypatch.delenv("RAGGED_COMPILE_FA4_PAD", raising=False)  # the default
+    assert fa4_backward.redo_isolation(128) and fa4_backward.redo_isolation(64)
+    assert not fa4_backward.redo_isolation(80) and not fa4_backward.redo_isolation(72)
     monkeypatch.setenv("RAGGED_COMPILE_FA4_PAD", "fused")
-    assert not fa4_backward.redo_isolation(cpu, 128, 100)
-
-
-def test_redo_merges_with_the_triton_row_copy(redo, monkeypatch):
-    """The same isolation with the recompute's rows copied by the Triton kernel (run
-    by Triton's interpreter here) instead of torch.where."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(tile_pad, "_row_copy_runs", lambda device: True)
-    tile_pad._triton.cache_clear()
-    try:
-        lq, lk = [6, 4, 9, 3], [8, 3, 5, 6]
-        q, k, v, go, cq, ck = _case(lq, lk, d=64, dtype=torch.float32)
-        clean = _redo_grads(q, k, v, go, cq, ck, True, 0.3)
-        got = _redo_grads(*_poisoned((q, k, v, go), cq, ck, "v", math.nan, 2), cq, ck, True, 0.3)
-    finally:
-        tile_pad._triton.cache_clear()
-    for g, c, cu in zip(got, clean, (cq, ck, ck)):
-        for i in (0, 1, 3):
-            rows = slice(int(cu[i]), int(cu[i + 1]))
-            torch.testing.assert_close(g[rows], c[rows], rtol=1e-5, atol=1e-6)
-    assert not torch.isfinite(got[0][int(cq[2]): int(cq[3])]).all()  # its own NaN stays
+    assert not fa4_backward.redo_isolation(128)

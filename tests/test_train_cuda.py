@@ -16,7 +16,7 @@ import torch
 
 import ragged_compile as rc
 from ragged_compile import logs
-from ragged_compile.backends import fa4_backward, flash_backward
+from ragged_compile.backends import fa4_backward, flash_backward, select
 from ragged_compile.reference import dense_gradients
 from ragged_compile.runtime import Runtime
 from _njt_models import SelfAttentionLayer
@@ -37,9 +37,9 @@ def _backends():
 def _backward_kernels():
     out = ["fa2"]
     if torch.cuda.is_available() and fa4_backward.unsupported_reason(torch.device("cuda"), torch.bfloat16, 128) is None:
-        out.append("fa4")  # its isolation layout written by the fused Triton gather (tile_pad.py)
+        out.append("fa4")  # the default: isolation by recompute (segment_backward.py where gradients are non-finite)
+        out.append("fa4-fused")  # a padded isolation layout written by the fused Triton gather (tile_pad.py)
         out.append("fa4-copies")  # ... and by PyTorch's copies
-        out.append("fa4-redo")  # isolation by recompute: the natural layout, FA2 where gradients come out non-finite
     return out
 
 
@@ -237,10 +237,18 @@ def test_auto_trains_on_fa4_when_installed(monkeypatch, caplog):
     calls = []
     real = fa4_backward._kernel
     monkeypatch.setattr(fa4_backward, "_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    q, k, v, cq, ck = _case([300, 3, 0, 700], [300, 3, 0, 700], 8, 2, 128)  # pads little: not a flood of short ones
+    lens = [1500, 3, 0, 2000]  # long segments: enough work per copied row for FA4 to pay, little padding
+    q, k, v, cq, ck = _case(lens, lens, 8, 2, 128)
+    work = select.backward_work(8, 2, sum(lens), sum(lens), sum(n * n for n in lens), True)
+    assert select.fa4_backward_pays(128, work), work
     with caplog.at_level(logging.WARNING, logger="ragged_compile"):
         rc.ragged_attention(q, k, v, cq, causal=True).sum().backward()
     assert calls == [1] and not caplog.records
+    calls.clear()
+    lens = [300, 3, 0, 700]  # too little work per row: FA2's backward is faster there
+    q, k, v, cq, ck = _case(lens, lens, 8, 2, 128)
+    rc.ragged_attention(q, k, v, cq, causal=True).sum().backward()
+    assert calls == []
 
 
 def test_empty_batches_give_zero_gradients():

@@ -27,7 +27,7 @@ import threading
 import torch
 
 from .. import config
-from . import flash_backward, tile_pad
+from . import segment_backward, tile_pad
 
 __all__ = ["installed", "unsupported_reason", "backward", "fa4_head_dim"]
 
@@ -138,7 +138,7 @@ def backward(
     Tq, Tk, d = q.shape[0], k.shape[0], q.shape[-1]
     if cu_q.numel() <= 1 or Tq == 0 or Tk == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    if max_lens is not None and redo_isolation(q.device, d, cu_q.numel() - 1):
+    if max_lens is not None and redo_isolation(d):
         return _backward_redo(grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale, max_lens)
     dp = fa4_head_dim(d)
     tile_m, tile_n = _tiles(dp, causal)
@@ -164,34 +164,31 @@ def backward(
 # The tiles' overrun reaches a segment only through products with exact zeros (masked
 # probabilities, masked scores), so finite rows of a neighbour change nothing, and a NaN
 # or Inf there makes the segment's gradient rows non-finite: never a finite wrong value.
-# So the kernel can run on the layout as it is, and a segment whose gradients come out
-# non-finite (contaminated, or non-finite of its own) is computed again by
-# FlashAttention-2, which reads no row past a segment's end. This rests on the kernel's
-# writes stopping at each segment's end (per-segment bounded stores in its upstream
-# source); the CUDA gradient fuzz with this mode, on finite data against float64, is
-# what checks it on the installed version. Without a sync: the second
-# call always runs, on offsets where every other segment has no work (its q rows no
-# keys, its k rows no queries), and its rows replace the first call's only there (one
-# Triton launch a side that reads a byte for each row left alone).
+# So the kernel runs on the layout as it is, and a segment whose gradients come out
+# non-finite (contaminated, or non-finite of its own) is computed again from its own
+# rows only (segment_backward.py), in place. This rests on the kernel's writes stopping
+# at each segment's end (per-segment bounded stores in its upstream source); the CUDA
+# gradient fuzz, on finite data against float64, is what checks it on the installed
+# version. Without a sync: the recompute always launches, over every segment slot, and
+# a program whose segment is not flagged only reads its flag. What it costs where
+# nothing is non-finite is one read of each gradient (the check) and two near-empty
+# launches, against the padded layout's copies of five inputs and three gradients.
 
 
-def redo_isolation(device: torch.device, head_dim: int, segments: int) -> bool:
-    """Whether isolation is by recompute here (``RAGGED_COMPILE_FA4_PAD=redo``): a
-    head dim FA4 computes as it is (no padding copies) and, doubled, within
-    FlashAttention-2's segment limit (elsewhere the fused padded layout)."""
-    return (
-        config.choice(config.FA4_PAD, config.FA4_PADS) == "redo"
-        and head_dim in _HEAD_DIMS
-        and 2 * segments <= flash_backward.MAX_SEGMENTS
-    )
+def redo_isolation(head_dim: int) -> bool:
+    """Whether isolation is by recompute here (``RAGGED_COMPILE_FA4_PAD=redo``, the
+    default): a head dim FA4 computes as it is, so there is nothing to pad (other
+    head dims take the padded layout, whose copies pad the head dim as well)."""
+    return config.choice(config.FA4_PAD, config.FA4_PADS) == "redo" and head_dim in _HEAD_DIMS
 
 
 def _backward_redo(grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale, max_lens):
     cu_q32, cu_k32 = cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous()
     lens_q, lens_k = cu_q32[1:] - cu_q32[:-1], cu_k32[1:] - cu_k32[:-1]
     q, k, v, out = (t.contiguous() for t in (q, k, v, out))
+    grad_out, lse = grad_out.to(q.dtype).contiguous(), lse.contiguous()
     dq, dk, dv = _kernel(
-        q, k, v, out, grad_out.to(q.dtype).contiguous(), lse.contiguous(),
+        q, k, v, out, grad_out, lse,
         softmax_scale=scale, causal=causal, cu_seqlens_q=cu_q32, cu_seqlens_k=cu_k32,
         seqused_q=lens_q, seqused_k=lens_k,
     )
@@ -200,16 +197,8 @@ def _backward_redo(grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale, max_l
     seg_q = torch.repeat_interleave(lens_q, output_size=q.shape[0])
     seg_k = seg_q if cu_k is cu_q else torch.repeat_interleave(lens_k, output_size=k.shape[0])
     redo = _non_finite_segments((dq,), seg_q, n) | _non_finite_segments((dk, dv), seg_k, n)
-    # 2n segments: segment i's q rows, with its keys only where it is redone; then its k
-    # rows, with no queries, where it is not
-    kept_k = torch.where(redo, lens_k, 0)
-    pair_q = torch.stack([lens_q, torch.zeros_like(lens_q)], 1).flatten()
-    pair_k = torch.stack([kept_k, lens_k - kept_k], 1).flatten()
-    cu_q2 = torch.nn.functional.pad(pair_q.cumsum(0, dtype=torch.int32), (1, 0))
-    cu_k2 = torch.nn.functional.pad(pair_k.cumsum(0, dtype=torch.int32), (1, 0))
-    again = flash_backward.backward(grad_out, q, k, v, out, lse, cu_q2, cu_k2, *max_lens, causal, scale)
-    (dq,) = tile_pad.copy_rows_where(redo[seg_q], again[:1], (dq,))
-    dk, dv = tile_pad.copy_rows_where(redo[seg_k], again[1:], (dk, dv))
+    segment_backward.recompute(redo, grad_out, q, k, v, out, lse, cu_q32, cu_k32, causal, scale, max_lens,
+                               (dq, dk, dv))
     return dq, dk, dv
 
 

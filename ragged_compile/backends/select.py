@@ -472,6 +472,14 @@ def trains_with_lse(device: torch.device, dtype: torch.dtype, head_dim: int, var
 # d=64 1.05 at 941, 0.74 at 1450; d=96 0.97 at 655, 0.78 at 941; d=128 0.95 at 524,
 # 0.91 at 655; d=256 1.02 at 655, 0.94 at 941 (taken: 6% off either way).
 _FA4_MIN_WORK = ((64, 1200.0), (96, 800.0), (128, 600.0), (256, 900.0))
+# Isolation by recompute (fa4_backward.redo_isolation, the default at head dims FA4
+# computes as they are) copies nothing: what it adds to FA4's kernel on finite data is
+# one read of each gradient, ~0.1 ms at ~33k tokens of 16 heads of 128, so FA4 pays
+# from less work. The thresholds sit between the layouts where FA4's kernel on the
+# natural layout plus that read ties FA2 and those where it wins (bench/results/
+# isolation.json, train-bwd-sweep.json): at d=128 FA2 keeps the short-segment floods
+# (work 83-267) and ViT-like layouts, causal, from ~400 go to FA4.
+_FA4_MIN_WORK_REDO = ((64, 700.0), (96, 500.0), (128, 400.0), (256, 450.0))
 
 
 def backward_work(hq: int, hkv: int, total_q: int, total_k: int, pairs: int, causal: bool) -> float:
@@ -490,7 +498,8 @@ def fa4_backward_pays(head_dim: int, work: float) -> bool:
     if head_dim > _FA4_MIN_WORK[-1][0]:
         return False
     d = fa4_backward.fa4_head_dim(head_dim)
-    return work >= next(t for dim, t in _FA4_MIN_WORK if dim >= d)
+    table = _FA4_MIN_WORK_REDO if fa4_backward.redo_isolation(head_dim) else _FA4_MIN_WORK
+    return work >= next(t for dim, t in table if dim >= d)
 
 
 def backward_kernel(
@@ -501,8 +510,9 @@ def backward_kernel(
     installed) or ``"fa2"`` (PyTorch's FlashAttention-2). ``work``: the call's
     :func:`backward_work`; ``slots``: (segment slots, total q, total k). ``auto``
     takes FA4 where it pays (:func:`fa4_backward_pays`; floods of short segments
-    and ViT-sized layouts at small head dims stay on FA2) and its isolation
-    layout stays small (:func:`fa4_backward.pads_little`). Windows and sinks: FA2
+    and ViT-sized layouts at small head dims stay on FA2) and, where it isolates
+    segments by padding, its padded layout stays small
+    (:func:`fa4_backward.pads_little`). Windows and sinks: FA2
     (flash-attn-4's variants are not wired), even where ``fa4`` is forced.
 
     ``RAGGED_COMPILE_BACKWARD=fa2|fa4`` forces one; ``fa4`` where it cannot run
@@ -524,7 +534,8 @@ def backward_kernel(
         return "fa2"
     if forced == "auto" and (
         (work is not None and not fa4_backward_pays(head_dim, work))
-        or (slots is not None and not fa4_backward.pads_little(*slots))
+        or (slots is not None and not fa4_backward.redo_isolation(head_dim)
+            and not fa4_backward.pads_little(*slots))
     ):
         return "fa2"  # decided before anything imports flash-attn-4
     reason = fa4_backward.unsupported_reason(device, dtype, head_dim)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from .. import config
 
-__all__ = ["Layout", "layout", "pad_rows", "unpad_rows", "pad_lse", "fused", "copy_rows_where"]
+__all__ = ["Layout", "layout", "pad_rows", "unpad_rows", "pad_lse", "fused"]
 
 
 @dataclass(frozen=True)
@@ -143,53 +143,13 @@ def _triton():
             v2 = tl.load(x2 + row * s2r + hs * s2h + js * s2d, mask=keep, other=0.0)
             tl.store(y2 + at, v2, mask=inside)
 
-    @triton.jit
-    def copy_flagged_rows(flags_ptr, src0, dst0, src1, dst1, row_elems, N: tl.constexpr, BLOCK: tl.constexpr):
-        # One row per program: dst[r] = src[r] where flags[r], else dst[r] untouched
-        # (an unflagged row costs one byte read).
-        r = tl.program_id(0).to(tl.int64)
-        if tl.load(flags_ptr + r) != 0:
-            for start in range(0, row_elems, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                inside = offs < row_elems
-                at = r * row_elems + offs
-                tl.store(dst0 + at, tl.load(src0 + at, mask=inside), mask=inside)
-                if N > 1:
-                    tl.store(dst1 + at, tl.load(src1 + at, mask=inside), mask=inside)
-
-    return triton, gather_rows, copy_flagged_rows
-
-
-def _row_copy_runs(device: torch.device) -> bool:
-    # a seam: CPU tests run the kernel under Triton's interpreter
-    return device.type == "cuda" and _triton() is not None
-
-
-def copy_rows_where(flags: torch.Tensor, srcs, dsts) -> list[torch.Tensor]:
-    """``dst[r] = src[r]`` where ``flags[r]`` (bool ``[T]``), for up to two pairs of
-    contiguous ``[T, ...]`` tensors of one shape and dtype: in place (the returned
-    tensors are ``dsts``), one Triton launch, where the kernel is available on the
-    device; else ``torch.where`` (a full pass, new tensors)."""
-    if len(srcs) != len(dsts) or not 1 <= len(srcs) <= 2 or flags.shape != dsts[0].shape[:1] or any(
-        s.shape != dsts[0].shape or s.dtype != dsts[0].dtype or d.shape != dsts[0].shape for s, d in zip(srcs, dsts)
-    ):
-        raise ValueError("copy_rows_where takes one or two (src, dst) pairs of one shape and dtype, and a flag per row")
-    if not _row_copy_runs(dsts[0].device) or not all(t.is_contiguous() for t in (*srcs, *dsts)):
-        mask = flags.view(-1, *([1] * (dsts[0].dim() - 1)))
-        return [torch.where(mask, s, d) for s, d in zip(srcs, dsts)]
-    triton, _, copy = _triton()
-    rows, row_elems = dsts[0].shape[0], math.prod(dsts[0].shape[1:])
-    if rows and row_elems:
-        pairs = list(zip(srcs, dsts)) + [(srcs[0], dsts[0])] * (2 - len(srcs))
-        copy[(rows,)](flags.to(torch.int8).contiguous(), pairs[0][0], pairs[0][1], pairs[1][0], pairs[1][1], row_elems,
-                      N=len(srcs), BLOCK=min(4096, triton.next_power_of_2(row_elems)))
-    return list(dsts)
+    return triton, gather_rows
 
 
 def _gather(tensors, idx: torch.Tensor, rows: int, dim: int) -> list[torch.Tensor]:
     """``out[r] = x[idx[r], :, :dim]`` (zero where ``idx[r] < 0`` or past ``x``'s dim)
     for up to three tensors of one shape and dtype, one launch."""
-    triton, kernel, _ = _triton()
+    triton, kernel = _triton()
     first = tensors[0]
     if len(tensors) > _MAX_TENSORS or any(t.shape != first.shape or t.dtype != first.dtype for t in tensors):
         raise ValueError("the fused row gather takes up to three tensors of one shape and dtype")

@@ -1,0 +1,192 @@
+"""The exact attention backward of chosen segments, written in place: the repair
+step of flash-attn-4's isolation by recompute (fa4_backward.py), which runs the
+fast kernel on the layout as it is and computes again only the segments whose
+gradients came out non-finite.
+
+:func:`recompute` takes a flag per segment on the device. On CUDA (with triton)
+two Triton kernels launch one program per (segment, row block, head) for every
+segment slot, so the grid is known on the host without a sync, and a program
+whose segment is not flagged returns after reading its flag: where nothing is
+flagged (finite data, the common case) the step costs two near-empty launches.
+A flagged segment is computed from its own rows only (every load is bounded by
+the segment's length), the probabilities from the forward's LSE, the row term
+``D = rowsum(dO * O)`` from the forward's output, as FlashAttention's backward
+does. The kernels favour being simple over being fast: they run where a segment
+holds a NaN or an Inf, or sits beside one. Elsewhere (the CPU, used by the tests
+of the isolation contract) the flagged segments are read on the host and
+computed by the reference backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["recompute"]
+
+
+def recompute(flags, grad_out, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, max_lens, grads) -> None:
+    """Overwrite the rows of flagged segments in ``grads = (dq, dk, dv)`` with their
+    exact gradients.
+
+    flags: ``[n]`` bool/int on the device, one per segment; q, out, grad_out, dq:
+    contiguous ``[Tq, Hq, D]``; k, v, dk, dv: contiguous ``[Tk, Hkv, D]``; lse: fp32
+    ``[Hq, Tq]``, natural log, ``+inf`` for rows that see no key; cu_q, cu_k: int32
+    ``[n + 1]``; max_lens: the longest q and k segment (host ints, the grid)."""
+    if _kernels_run(q.device):
+        _launch(flags, grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale, max_lens, grads)
+    else:
+        _on_host(flags, grad_out, q, k, v, cu_q, cu_k, causal, scale, grads)
+
+
+def _kernels_run(device: torch.device) -> bool:
+    # a seam: CPU tests run the kernels under Triton's interpreter
+    return device.type == "cuda" and _triton() is not None
+
+
+def _on_host(flags, grad_out, q, k, v, cu_q, cu_k, causal, scale, grads) -> None:
+    from ..reference import reference_attention_backward
+
+    dq, dk, dv = grads
+    for i in flags.nonzero().flatten().tolist():
+        q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        cq = torch.tensor([0, q1 - q0], dtype=torch.int32, device=q.device)
+        ck = torch.tensor([0, k1 - k0], dtype=torch.int32, device=q.device)
+        got = reference_attention_backward(grad_out[q0:q1], q[q0:q1], k[k0:k1], v[k0:k1], cq, ck, causal, scale)
+        for g, x, (a, b) in zip((dq, dk, dv), got, ((q0, q1), (k0, k1), (k0, k1))):
+            g[a:b] = x.to(g.dtype)
+
+
+def _blocks(d: int, triton) -> tuple[int, int, int, int]:
+    """(rows per block, head-dim block, warps) for head dim ``d``: small tiles, as
+    the accumulators of a 256-wide head live in registers too."""
+    bd = max(16, triton.next_power_of_2(d))
+    return (64, bd, 4) if bd <= 64 else (32, bd, 4) if bd <= 128 else (16, bd, 4)
+
+
+def _launch(flags, grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale, max_lens, grads) -> None:
+    _, dk_dv, dq_rows = _triton()
+    dq, dk, dv = grads
+    n = cu_q.numel() - 1
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    max_q, max_k = max_lens
+    if n == 0 or tq == 0 or k.shape[0] == 0 or max_q == 0 or max_k == 0:
+        return  # no segment has both queries and keys: the gradients are zeros already
+    block, bd, warps = _blocks(d, triton)
+    flags = flags.to(torch.int32).contiguous()
+    cu_q, cu_k = cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous()
+    lse = lse.contiguous()
+    common = (flags, cu_q, cu_k, float(scale), tq, hq, hkv, hq // hkv, d)
+    dk_dv[(n, triton.cdiv(max_k, block), hkv)](
+        q, k, v, out, grad_out, lse, dk, dv, *common, CAUSAL=causal, BM=block, BN=block, BD=bd, num_warps=warps,
+    )
+    dq_rows[(n, triton.cdiv(max_q, block), hq)](
+        q, k, v, out, grad_out, lse, dq, *common, CAUSAL=causal, BM=block, BN=block, BD=bd, num_warps=warps,
+    )
+
+
+try:  # at module level: Triton's interpreter patches the kernels' globals
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+
+@functools.cache
+def _triton():
+    # made at first use, so Triton's interpreter (TRITON_INTERPRET=1) applies when set then
+    if triton is None:
+        return None
+
+    @triton.jit
+    def dk_dv_rows(
+        Q, K, V, O, DO, LSE, DK, DV, FLAGS, CU_Q, CU_K, scale, tq, hq, hkv, group, d,
+        CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    ):
+        # program (segment, k block, kv head): dk, dv of its rows over every query
+        # head of the group and every q block of the segment
+        seg = tl.program_id(0)
+        n0 = tl.program_id(1) * BN
+        hk = tl.program_id(2)
+        flag = tl.load(FLAGS + seg)
+        q0 = tl.load(CU_Q + seg).to(tl.int64)
+        lq = tl.load(CU_Q + seg + 1).to(tl.int64) - q0
+        k0 = tl.load(CU_K + seg).to(tl.int64)
+        lk = tl.load(CU_K + seg + 1).to(tl.int64) - k0
+        if (flag != 0) & (n0 < lk):
+            rn = n0 + tl.arange(0, BN)
+            rd = tl.arange(0, BD)
+            kmask = (rn[:, None] < lk) & (rd[None, :] < d)
+            kv_at = (k0 + rn)[:, None] * (hkv * d) + hk * d + rd[None, :]
+            k = tl.load(K + kv_at, mask=kmask, other=0.0)
+            v = tl.load(V + kv_at, mask=kmask, other=0.0)
+            dk = tl.zeros([BN, BD], dtype=tl.float32)
+            dv = tl.zeros([BN, BD], dtype=tl.float32)
+            for g in range(0, group):
+                h = hk * group + g
+                for m0 in range(0, lq, BM):
+                    rm = m0 + tl.arange(0, BM)
+                    qmask = (rm[:, None] < lq) & (rd[None, :] < d)
+                    q_at = (q0 + rm)[:, None] * (hq * d) + h * d + rd[None, :]
+                    q = tl.load(Q + q_at, mask=qmask, other=0.0)
+                    do = tl.load(DO + q_at, mask=qmask, other=0.0)
+                    o = tl.load(O + q_at, mask=qmask, other=0.0)
+                    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+                    lse = tl.load(LSE + h * tq + q0 + rm, mask=rm < lq, other=float("inf"))
+                    s = tl.dot(q, tl.trans(k)) * scale
+                    valid = (rm[:, None] < lq) & (rn[None, :] < lk)
+                    if CAUSAL:  # bottom-right aligned
+                        valid = valid & (rn[None, :] <= rm[:, None] + (lk - lq))
+                    p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)  # lse = +inf (no key): 0
+                    dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+                    dp = tl.dot(do, tl.trans(v))
+                    ds = p * (dp - delta[:, None])
+                    dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            tl.store(DK + kv_at, (dk * scale).to(DK.dtype.element_ty), mask=kmask)
+            tl.store(DV + kv_at, dv.to(DV.dtype.element_ty), mask=kmask)
+
+    @triton.jit
+    def dq_rows(
+        Q, K, V, O, DO, LSE, DQ, FLAGS, CU_Q, CU_K, scale, tq, hq, hkv, group, d,
+        CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    ):
+        # program (segment, q block, query head): dq of its rows over the segment's keys
+        seg = tl.program_id(0)
+        m0 = tl.program_id(1) * BM
+        h = tl.program_id(2)
+        flag = tl.load(FLAGS + seg)
+        q0 = tl.load(CU_Q + seg).to(tl.int64)
+        lq = tl.load(CU_Q + seg + 1).to(tl.int64) - q0
+        k0 = tl.load(CU_K + seg).to(tl.int64)
+        lk = tl.load(CU_K + seg + 1).to(tl.int64) - k0
+        if (flag != 0) & (m0 < lq):
+            hk = h // group
+            rm = m0 + tl.arange(0, BM)
+            rd = tl.arange(0, BD)
+            qmask = (rm[:, None] < lq) & (rd[None, :] < d)
+            q_at = (q0 + rm)[:, None] * (hq * d) + h * d + rd[None, :]
+            q = tl.load(Q + q_at, mask=qmask, other=0.0)
+            do = tl.load(DO + q_at, mask=qmask, other=0.0)
+            o = tl.load(O + q_at, mask=qmask, other=0.0)
+            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+            lse = tl.load(LSE + h * tq + q0 + rm, mask=rm < lq, other=float("inf"))
+            dq = tl.zeros([BM, BD], dtype=tl.float32)
+            for n0 in range(0, lk, BN):
+                rn = n0 + tl.arange(0, BN)
+                kmask = (rn[:, None] < lk) & (rd[None, :] < d)
+                kv_at = (k0 + rn)[:, None] * (hkv * d) + hk * d + rd[None, :]
+                k = tl.load(K + kv_at, mask=kmask, other=0.0)
+                v = tl.load(V + kv_at, mask=kmask, other=0.0)
+                s = tl.dot(q, tl.trans(k)) * scale
+                valid = (rm[:, None] < lq) & (rn[None, :] < lk)
+                if CAUSAL:  # bottom-right aligned
+                    valid = valid & (rn[None, :] <= rm[:, None] + (lk - lq))
+                p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)  # lse = +inf (no key): 0
+                dp = tl.dot(do, tl.trans(v))
+                ds = p * (dp - delta[:, None])
+                dq += tl.dot(ds.to(k.dtype), k)
+            tl.store(DQ + q_at, (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
+
+    return triton, dk_dv_rows, dq_rows

@@ -12,15 +12,16 @@ variable                      values                   read
                               ``varlen``               (the CUDA forward: FlashInfer's kernel
                                                        family, or PyTorch's FlashAttention-2).
 ``RAGGED_COMPILE_BACKWARD``   ``auto``/``fa2``/``fa4``   at every training backward on CUDA.
-``RAGGED_COMPILE_FA4_PAD``    ``fused``/``copies``/    at every flash-attn-4 backward: how it
-                             ``redo``                 keeps segments independent: a padded
-                                                       layout written by one Triton gather a
-                                                       side where triton is installed, or by
-                                                       PyTorch's copies (backends/tile_pad.py);
-                                                       ``redo``: no padding, segments whose
+``RAGGED_COMPILE_FA4_PAD``    ``redo``/``fused``/      at every flash-attn-4 backward: how it
+                             ``copies``               keeps segments independent. ``redo``:
+                                                       no padding, the segments whose
                                                        gradients come out non-finite computed
-                                                       again by FlashAttention-2
-                                                       (experimental; fa4_backward.py).
+                                                       again (backends/segment_backward.py;
+                                                       head dims FA4 pads take ``fused``);
+                                                       ``fused``/``copies``: a padded layout
+                                                       written by one Triton gather a side,
+                                                       or by PyTorch's copies
+                                                       (backends/tile_pad.py).
 ============================  =======================  ==========================================
 
 A flag is on for any value but ``""``, ``0``, ``false``, ``no`` and ``off``

@@ -240,6 +240,36 @@ def test_auto_backward_is_within_6_percent_of_the_faster_kernel(row, monkeypatch
         assert ms[pick] == min(ms.values()), (pick, work, row)
 
 
+# The same sweep with isolation by recompute (the default at head dims 64/96/128/256),
+# FA4's column timed with it: bench/results/train-bwd-sweep-redo.json.
+REDO_ROWS = [
+    r for r in json.loads((SWEEP.parent / "train-bwd-sweep-redo.json").read_text())["bwd_sweep"]
+    if "fa2_ms" in r and "fa4_redo_ms" in r
+]
+
+
+@pytest.mark.parametrize("row", REDO_ROWS, ids=_bwd_name)
+def test_auto_backward_with_isolation_by_recompute_is_within_3_percent_of_the_faster_kernel(row, monkeypatch):
+    from ragged_compile.backends import fa4_backward
+
+    monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
+    monkeypatch.delenv("RAGGED_COMPILE_FA4_PAD", raising=False)
+    monkeypatch.setattr(fa4_backward, "unsupported_reason", lambda *a: None)  # installed, SM90
+    assert fa4_backward.redo_isolation(row["d"])
+    work = select.backward_work(row["hq"], row["hkv"], row["tokens"], row["tokens"], row["pairs"], row["causal"])
+    slots = (row["segments"], row["tokens"], row["tokens"])
+    pick = select.backward_kernel(torch.device("cuda", 0), torch.bfloat16, row["d"], work, slots=slots)
+    ms = {"fa2": row["fa2_ms"], "fa4": row["fa4_redo_ms"]}
+    assert ms[pick] <= 1.03 * min(ms.values()), (pick, work, row)
+
+
+def test_the_recompute_sweep_has_rows_the_rule_sends_either_way():
+    assert {r["d"] for r in REDO_ROWS} >= {64, 128, 256} and {r["causal"] for r in REDO_ROWS} == {False, True}
+    for d in {r["d"] for r in REDO_ROWS}:
+        ratios = [r["fa4_redo_ms"] / r["fa2_ms"] for r in REDO_ROWS if r["d"] == d]
+        assert min(ratios) < 0.97 and max(ratios) > 1.03, d
+
+
 def test_backward_sweep_covers_what_the_rule_distinguishes():
     assert {r["causal"] for r in BWD_ROWS} == {False, True}
     assert {r["d"] for r in BWD_ROWS} >= {64, 80, 128, 256}

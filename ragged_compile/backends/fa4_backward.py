@@ -12,11 +12,14 @@ its source and probed on the H200 against float64 autograd):
   inputs are zero-padded to the next of those (with the true dim's scale).
 * **Its tiles read past a segment's end**: a q tile of segment i loads the first
   rows of segment i+1 (k tiles likewise), and masks them only through the LSE,
-  so a NaN or Inf there reaches segment i's dk/dv (dq). To keep segments
-  independent, every segment is laid out padded with zero rows to a multiple of
+  so a NaN or Inf there reaches segment i's dk/dv (dq). Segments stay
+  independent by recompute (the default; see "isolation by recompute" below):
+  the segments whose gradients come out non-finite are computed again from
+  their own rows. Head dims the kernel pads, or ``RAGGED_COMPILE_FA4_PAD=fused``
+  / ``copies``: every segment is laid out padded with zero rows to a multiple of
   the kernel's tile (``cu_seqlens``: the padded starts; ``seqused``: the true
-  lengths). The layout is built on the device, with no sync: the padded total
-  is bounded on the host by ``T + n * (tile - 1) + tile``.
+  lengths), built on the device with no sync (the padded total is bounded on
+  the host by ``T + n * (tile - 1) + tile``).
 """
 
 from __future__ import annotations

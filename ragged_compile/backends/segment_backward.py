@@ -19,8 +19,6 @@ computed by the reference backward.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 __all__ = ["recompute"]
@@ -87,106 +85,106 @@ def _launch(flags, grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale, max_l
     )
 
 
-try:  # at module level: Triton's interpreter patches the kernels' globals
+try:
     import triton
     import triton.language as tl
 except ImportError:
     triton = tl = None
 
 
-@functools.cache
 def _triton():
-    # made at first use, so Triton's interpreter (TRITON_INTERPRET=1) applies when set then
-    if triton is None:
-        return None
+    return None if triton is None else (triton, _dk_dv_rows, _dq_rows)
+
+
+if triton is not None:
+    # Module level, so the kernels find their helpers by name; Triton's interpreter
+    # (TRITON_INTERPRET=1) applies when set before this module is imported.
 
     @triton.jit
-    def dk_dv_rows(
+    def _segment(FLAGS, CU_Q, CU_K, seg):
+        q0 = tl.load(CU_Q + seg).to(tl.int64)
+        k0 = tl.load(CU_K + seg).to(tl.int64)
+        lq = tl.load(CU_Q + seg + 1).to(tl.int64) - q0
+        lk = tl.load(CU_K + seg + 1).to(tl.int64) - k0
+        return tl.load(FLAGS + seg) != 0, q0, lq, k0, lk
+
+    @triton.jit
+    def _block(X, start, r, n, rd, heads, h, d):
+        # rows start + r (r < n) of head h of a [T, heads, d] tensor, zero elsewhere
+        mask = (r[:, None] < n) & (rd[None, :] < d)
+        return tl.load(X + (start + r)[:, None] * (heads * d) + h * d + rd[None, :], mask=mask, other=0.0)
+
+    @triton.jit
+    def _store(X, value, start, r, n, rd, heads, h, d):
+        mask = (r[:, None] < n) & (rd[None, :] < d)
+        tl.store(X + (start + r)[:, None] * (heads * d) + h * d + rd[None, :], value.to(X.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _query_rows(Q, O, DO, LSE, q0, rm, lq, rd, tq, hq, h, d):
+        # a q block's rows, its output gradient, D = rowsum(dO * O) and its LSE
+        q = _block(Q, q0, rm, lq, rd, hq, h, d)
+        do = _block(DO, q0, rm, lq, rd, hq, h, d)
+        delta = tl.sum(do.to(tl.float32) * _block(O, q0, rm, lq, rd, hq, h, d).to(tl.float32), 1)
+        lse = tl.load(LSE + h * tq + q0 + rm, mask=rm < lq, other=float("inf"))
+        return q, do, delta, lse
+
+    @triton.jit
+    def _tile(q, k, v, do, delta, lse, rm, rn, lq, lk, scale, CAUSAL: tl.constexpr):
+        # P and dS of one (q block, k block) tile: P zero outside the segment, above
+        # the bottom-right-aligned diagonal when causal, and where lse = +inf (no key)
+        s = tl.dot(q, tl.trans(k)) * scale
+        valid = (rm[:, None] < lq) & (rn[None, :] < lk)
+        if CAUSAL:
+            valid = valid & (rn[None, :] <= rm[:, None] + (lk - lq))
+        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+        return p, p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+
+    @triton.jit
+    def _dk_dv_rows(
         Q, K, V, O, DO, LSE, DK, DV, FLAGS, CU_Q, CU_K, scale, tq, hq, hkv, group, d,
         CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     ):
-        # program (segment, k block, kv head): dk, dv of its rows over every query
-        # head of the group and every q block of the segment
-        seg = tl.program_id(0)
+        # program (segment, k block, kv head): dk, dv of its rows over the group's
+        # query heads and every q block of the segment
+        seg, hk = tl.program_id(0), tl.program_id(2)
         n0 = tl.program_id(1) * BN
-        hk = tl.program_id(2)
-        flag = tl.load(FLAGS + seg)
-        q0 = tl.load(CU_Q + seg).to(tl.int64)
-        lq = tl.load(CU_Q + seg + 1).to(tl.int64) - q0
-        k0 = tl.load(CU_K + seg).to(tl.int64)
-        lk = tl.load(CU_K + seg + 1).to(tl.int64) - k0
-        if (flag != 0) & (n0 < lk):
+        flagged, q0, lq, k0, lk = _segment(FLAGS, CU_Q, CU_K, seg)
+        if flagged & (n0 < lk):
             rn = n0 + tl.arange(0, BN)
             rd = tl.arange(0, BD)
-            kmask = (rn[:, None] < lk) & (rd[None, :] < d)
-            kv_at = (k0 + rn)[:, None] * (hkv * d) + hk * d + rd[None, :]
-            k = tl.load(K + kv_at, mask=kmask, other=0.0)
-            v = tl.load(V + kv_at, mask=kmask, other=0.0)
+            k = _block(K, k0, rn, lk, rd, hkv, hk, d)
+            v = _block(V, k0, rn, lk, rd, hkv, hk, d)
             dk = tl.zeros([BN, BD], dtype=tl.float32)
             dv = tl.zeros([BN, BD], dtype=tl.float32)
             for g in range(0, group):
                 h = hk * group + g
                 for m0 in range(0, lq, BM):
                     rm = m0 + tl.arange(0, BM)
-                    qmask = (rm[:, None] < lq) & (rd[None, :] < d)
-                    q_at = (q0 + rm)[:, None] * (hq * d) + h * d + rd[None, :]
-                    q = tl.load(Q + q_at, mask=qmask, other=0.0)
-                    do = tl.load(DO + q_at, mask=qmask, other=0.0)
-                    o = tl.load(O + q_at, mask=qmask, other=0.0)
-                    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-                    lse = tl.load(LSE + h * tq + q0 + rm, mask=rm < lq, other=float("inf"))
-                    s = tl.dot(q, tl.trans(k)) * scale
-                    valid = (rm[:, None] < lq) & (rn[None, :] < lk)
-                    if CAUSAL:  # bottom-right aligned
-                        valid = valid & (rn[None, :] <= rm[:, None] + (lk - lq))
-                    p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)  # lse = +inf (no key): 0
+                    q, do, delta, lse = _query_rows(Q, O, DO, LSE, q0, rm, lq, rd, tq, hq, h, d)
+                    p, ds = _tile(q, k, v, do, delta, lse, rm, rn, lq, lk, scale, CAUSAL)
                     dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-                    dp = tl.dot(do, tl.trans(v))
-                    ds = p * (dp - delta[:, None])
                     dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-            tl.store(DK + kv_at, (dk * scale).to(DK.dtype.element_ty), mask=kmask)
-            tl.store(DV + kv_at, dv.to(DV.dtype.element_ty), mask=kmask)
+            _store(DK, dk * scale, k0, rn, lk, rd, hkv, hk, d)
+            _store(DV, dv, k0, rn, lk, rd, hkv, hk, d)
 
     @triton.jit
-    def dq_rows(
+    def _dq_rows(
         Q, K, V, O, DO, LSE, DQ, FLAGS, CU_Q, CU_K, scale, tq, hq, hkv, group, d,
         CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     ):
         # program (segment, q block, query head): dq of its rows over the segment's keys
-        seg = tl.program_id(0)
+        seg, h = tl.program_id(0), tl.program_id(2)
         m0 = tl.program_id(1) * BM
-        h = tl.program_id(2)
-        flag = tl.load(FLAGS + seg)
-        q0 = tl.load(CU_Q + seg).to(tl.int64)
-        lq = tl.load(CU_Q + seg + 1).to(tl.int64) - q0
-        k0 = tl.load(CU_K + seg).to(tl.int64)
-        lk = tl.load(CU_K + seg + 1).to(tl.int64) - k0
-        if (flag != 0) & (m0 < lq):
+        flagged, q0, lq, k0, lk = _segment(FLAGS, CU_Q, CU_K, seg)
+        if flagged & (m0 < lq):
             hk = h // group
             rm = m0 + tl.arange(0, BM)
             rd = tl.arange(0, BD)
-            qmask = (rm[:, None] < lq) & (rd[None, :] < d)
-            q_at = (q0 + rm)[:, None] * (hq * d) + h * d + rd[None, :]
-            q = tl.load(Q + q_at, mask=qmask, other=0.0)
-            do = tl.load(DO + q_at, mask=qmask, other=0.0)
-            o = tl.load(O + q_at, mask=qmask, other=0.0)
-            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-            lse = tl.load(LSE + h * tq + q0 + rm, mask=rm < lq, other=float("inf"))
+            q, do, delta, lse = _query_rows(Q, O, DO, LSE, q0, rm, lq, rd, tq, hq, h, d)
             dq = tl.zeros([BM, BD], dtype=tl.float32)
             for n0 in range(0, lk, BN):
                 rn = n0 + tl.arange(0, BN)
-                kmask = (rn[:, None] < lk) & (rd[None, :] < d)
-                kv_at = (k0 + rn)[:, None] * (hkv * d) + hk * d + rd[None, :]
-                k = tl.load(K + kv_at, mask=kmask, other=0.0)
-                v = tl.load(V + kv_at, mask=kmask, other=0.0)
-                s = tl.dot(q, tl.trans(k)) * scale
-                valid = (rm[:, None] < lq) & (rn[None, :] < lk)
-                if CAUSAL:  # bottom-right aligned
-                    valid = valid & (rn[None, :] <= rm[:, None] + (lk - lq))
-                p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)  # lse = +inf (no key): 0
-                dp = tl.dot(do, tl.trans(v))
-                ds = p * (dp - delta[:, None])
+                k = _block(K, k0, rn, lk, rd, hkv, hk, d)
+                p, ds = _tile(q, k, _block(V, k0, rn, lk, rd, hkv, hk, d), do, delta, lse, rm, rn, lq, lk, scale, CAUSAL)
                 dq += tl.dot(ds.to(k.dtype), k)
-            tl.store(DQ + q_at, (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
-
-    return triton, dk_dv_rows, dq_rows
+            _store(DQ, dq * scale, q0, rm, lq, rd, hq, h, d)

@@ -473,12 +473,13 @@ def trains_with_lse(device: torch.device, dtype: torch.dtype, head_dim: int, var
 # 0.91 at 655; d=256 1.02 at 655, 0.94 at 941 (taken: 6% off either way).
 _FA4_MIN_WORK = ((64, 1200.0), (96, 800.0), (128, 600.0), (256, 900.0))
 # Isolation by recompute (fa4_backward.redo_isolation, the default at head dims FA4
-# computes as they are) copies nothing: what it adds to FA4's kernel on finite data is
-# one read of each gradient, ~0.1 ms at ~33k tokens of 16 heads of 128, so FA4 pays
-# from less work. The thresholds sit between the layouts where FA4's kernel on the
-# natural layout plus that read ties FA2 and those where it wins (bench/results/
-# isolation.json, train-bwd-sweep.json): at d=128 FA2 keeps the short-segment floods
-# (work 83-267) and ViT-like layouts, causal, from ~400 go to FA4.
+# computes as they are) copies nothing: on finite data it adds one read of each
+# gradient and two near-empty launches to FA4's kernel, 0.0-0.3 ms at ~31-34k tokens
+# of 16 heads of 128 (bench/results/isolation.json), so FA4 pays from less work. Fitted
+# on bench/results/train-bwd-sweep-redo.json (FA4's column timed with it), each
+# threshold between the rows either side, FA4's time over FA2's: d=64 1.49 at 655,
+# 0.71 at 941 (its causal 471: 1.35); d=128 1.07 at 327, 0.84 at 471; d=256 1.10 at
+# 327, 0.92 at 471. d=96 (not swept with it) between its neighbours.
 _FA4_MIN_WORK_REDO = ((64, 700.0), (96, 500.0), (128, 400.0), (256, 450.0))
 
 

@@ -8,8 +8,11 @@ to the kernel's. :func:`layout` builds the row maps on the device without a sync
 :func:`pad_rows` writes the padded copies of several tensors of one side (q,
 out and grad_out; or k and v) and :func:`unpad_rows` gathers gradients back.
 
-Two implementations of one contract: on CUDA with triton installed (the default,
-``RAGGED_COMPILE_FA4_PAD=fused``), one Triton launch per side writes every
+It serves the head dims FA4 pads (72, 80), and every call under
+``RAGGED_COMPILE_FA4_PAD=fused`` or ``copies`` (elsewhere FA4 isolates segments by
+recompute, segment_backward.py). Two implementations of one contract: on CUDA
+with triton installed (``fused``, and the padded calls of ``redo``), one Triton
+launch per side writes every
 element of the padded tensors once (rows read straight from the inputs, any
 strides, padding rows and columns written as zeros); otherwise
 (``RAGGED_COMPILE_FA4_PAD=copies``) PyTorch's ops zero-fill and then scatter each

@@ -33,7 +33,8 @@ CASES = [
 
 def _check(lq, lk, hq, hkv, d, causal, dtype, flags, device, tol):
     """Recompute the flagged segments of gradients preset to 7 and compare: flagged
-    rows against the reference, every other row untouched."""
+    rows against the reference, every other row untouched. The inputs of unflagged
+    segments are NaN, so a read past a flagged segment's rows shows."""
     g = torch.Generator().manual_seed(len(lq) * 31 + d)
     cq = torch.tensor([0] + lq).cumsum(0).int()
     ck = torch.tensor([0] + lk).cumsum(0).int()
@@ -44,6 +45,12 @@ def _check(lq, lk, hq, hkv, d, causal, dtype, flags, device, tol):
     out = reference_attention(q, k, v, cq, ck, causal, scale).to(dtype)
     lse = reference_lse(q, k, cq, ck, causal, scale).float()
     want = reference_attention_backward(go.double(), q.double(), k.double(), v.double(), cq, ck, causal, scale)
+    q, k, v, go, out, lse = (t.clone() for t in (q, k, v, go, out, lse))
+    for i, flagged in enumerate(flags):
+        if not flagged:
+            for t, cu in ((q, cq), (go, cq), (out, cq), (k, ck), (v, ck)):
+                t[int(cu[i]) : int(cu[i + 1])] = float("nan")
+            lse[:, int(cq[i]) : int(cq[i + 1])] = float("nan")
     dev = [t.to(device) for t in (q, k, v, go, out, lse, cq, ck)]
     grads = [torch.full_like(t, 7.0) for t in dev[:3]]
     flags = torch.tensor(flags, device=device)
@@ -54,6 +61,7 @@ def _check(lq, lk, hq, hkv, d, causal, dtype, flags, device, tol):
         for i in range(len(lq)):
             rows = slice(int(cu[i]), int(cu[i + 1]))
             if flags[i]:
+                assert bool(torch.isfinite(a[rows]).all()), f"d{name} of segment {i} reached by a neighbour's NaN"
                 err = (a[rows].double() - b[rows]).abs().max().item() if a[rows].numel() else 0.0
                 scale_ = max(b[rows].abs().max().item(), 1.0) if b[rows].numel() else 1.0
                 assert err <= tol * scale_, f"d{name} of segment {i}: {err:.3g} ({lq}, {lk}, {hq}/{hkv}, d={d}, {dtype})"

@@ -195,8 +195,11 @@ def _backward_redo(grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale, max_l
         softmax_scale=scale, causal=causal, cu_seqlens_q=cu_q32, cu_seqlens_k=cu_k32,
         seqused_q=lens_q, seqused_k=lens_k,
     )
+    # the recompute writes rows in place, as [T, H, D] contiguous (FA4 allocates them so)
+    dq, dk, dv = (t.contiguous() for t in (dq, dk, dv))
     n = lens_q.numel()
-    # the segment of each row (no sync: the row counts are the host's); self-attention's once
+    # the segment of each row (no sync: the row counts are the host's, and the offsets end
+    # at them, cu[-1] == T, as the op checks); self-attention's once
     seg_q = torch.repeat_interleave(lens_q, output_size=q.shape[0])
     seg_k = seg_q if cu_k is cu_q else torch.repeat_interleave(lens_k, output_size=k.shape[0])
     redo = _non_finite_segments((dq,), seg_q, n) | _non_finite_segments((dk, dv), seg_k, n)

@@ -4,10 +4,12 @@ fast kernel on the layout as it is and computes again only the segments whose
 gradients came out non-finite.
 
 :func:`recompute` takes a flag per segment on the device. On CUDA (with triton)
-two Triton kernels launch one program per (segment, row block, head) for every
-segment slot, so the grid is known on the host without a sync, and a program
-whose segment is not flagged returns after reading its flag: where nothing is
-flagged (finite data, the common case) the step costs two near-empty launches.
+two Triton kernels launch one program per (row block, head), the row blocks of
+every segment laid out on the device (a table bounded on the host by
+``cdiv(T, block) + n``, so no sync, and a grid that grows with the tokens, not
+with segment slots x the longest segment), and a program whose segment is not
+flagged returns after reading its flag: where nothing is flagged (finite data,
+the common case) the step costs two near-empty launches.
 A flagged segment is computed from its own rows only (every load is bounded by
 the segment's length), the probabilities from the forward's LSE, the row term
 ``D = rowsum(dO * O)`` from the forward's output, as FlashAttention's backward
@@ -56,32 +58,56 @@ def _on_host(flags, grad_out, q, k, v, cu_q, cu_k, causal, scale, grads) -> None
             g[a:b] = x.to(g.dtype)
 
 
-def _blocks(d: int, triton) -> tuple[int, int, int, int]:
+def _blocks(d: int, triton) -> tuple[int, int, int]:
     """(rows per block, head-dim block, warps) for head dim ``d``: small tiles, as
     the accumulators of a 256-wide head live in registers too."""
     bd = max(16, triton.next_power_of_2(d))
     return (64, bd, 4) if bd <= 64 else (32, bd, 4) if bd <= 128 else (16, bd, 4)
 
 
+def _block_table(cu: torch.Tensor, total: int, block: int) -> torch.Tensor:
+    """int32 ``[bound, 2]``: the (segment, block within it) of each row block of one
+    side, on the device without a sync. ``bound = cdiv(total, block) + n`` (each
+    segment ends at most one partial block) is the host's grid, so it grows with the
+    tokens, not with segment slots x the longest segment; the spare entries name
+    segment ``n``, which is never flagged."""
+    n = cu.numel() - 1
+    lens = cu[1:] - cu[:-1]
+    counts = (lens + (block - 1)) // block
+    bound = -(-total // block) + n
+    counts = torch.cat([counts, (bound - counts.sum()).view(1)])  # sums to bound exactly
+    seg = torch.repeat_interleave(torch.arange(n + 1, device=cu.device, dtype=torch.int32), counts,
+                                  output_size=bound)
+    first = (counts.cumsum(0) - counts).to(torch.int32)
+    idx = torch.arange(bound, device=cu.device, dtype=torch.int32) - first[seg.long()]
+    return torch.stack([seg, idx], 1).contiguous()
+
+
 def _launch(flags, grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale, max_lens, grads) -> None:
     _, dk_dv, dq_rows = _triton()
     dq, dk, dv = grads
+    if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the recompute kernels take float16/bfloat16 on CUDA (tl.dot of float32 is TF32), got {q.dtype}")
+    same = cu_k is cu_q  # self-attention: one block table
     n = cu_q.numel() - 1
     tq, hq, d = q.shape
-    hkv = k.shape[1]
-    max_q, max_k = max_lens
-    if n == 0 or tq == 0 or k.shape[0] == 0 or max_q == 0 or max_k == 0:
+    tk, hkv = k.shape[0], k.shape[1]
+    if n == 0 or tq == 0 or tk == 0 or max_lens[0] == 0 or max_lens[1] == 0:
         return  # no segment has both queries and keys: the gradients are zeros already
     block, bd, warps = _blocks(d, triton)
-    flags = flags.to(torch.int32).contiguous()
-    cu_q, cu_k = cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous()
-    lse = lse.contiguous()
+    # segment n (the tables' spare blocks): never flagged, no rows
+    flags = torch.cat([flags.to(torch.int32), flags.new_zeros(1, dtype=torch.int32)])
+    cu_q, cu_k = (torch.cat([c, c[-1:]]).to(torch.int32).contiguous() for c in (cu_q, cu_k))
+    table_q = _block_table(cu_q[:-1], tq, block)
+    table_k = table_q if same else _block_table(cu_k[:-1], tk, block)
     common = (flags, cu_q, cu_k, float(scale), tq, hq, hkv, hq // hkv, d)
-    dk_dv[(n, triton.cdiv(max_k, block), hkv)](
-        q, k, v, out, grad_out, lse, dk, dv, *common, CAUSAL=causal, BM=block, BN=block, BD=bd, num_warps=warps,
+    dk_dv[(table_k.shape[0], hkv)](
+        q, k, v, out, grad_out, lse.contiguous(), dk, dv, table_k, *common,
+        CAUSAL=causal, BM=block, BN=block, BD=bd, num_warps=warps,
     )
-    dq_rows[(n, triton.cdiv(max_q, block), hq)](
-        q, k, v, out, grad_out, lse, dq, *common, CAUSAL=causal, BM=block, BN=block, BD=bd, num_warps=warps,
+    dq_rows[(table_q.shape[0], hq)](
+        q, k, v, out, grad_out, lse.contiguous(), dq, table_q, *common,
+        CAUSAL=causal, BM=block, BN=block, BD=bd, num_warps=warps,
     )
 
 
@@ -99,6 +125,12 @@ def _triton():
 if triton is not None:
     # Module level, so the kernels find their helpers by name; Triton's interpreter
     # (TRITON_INTERPRET=1) applies when set before this module is imported.
+
+    @triton.jit
+    def _table_entry(TABLE, B: tl.constexpr):
+        # (segment, first row of the block within it, head) of this program
+        at = tl.program_id(0).to(tl.int64) * 2
+        return tl.load(TABLE + at), tl.load(TABLE + at + 1).to(tl.int64) * B, tl.program_id(1)
 
     @triton.jit
     def _segment(FLAGS, CU_Q, CU_K, seg):
@@ -125,7 +157,7 @@ if triton is not None:
         q = _block(Q, q0, rm, lq, rd, hq, h, d)
         do = _block(DO, q0, rm, lq, rd, hq, h, d)
         delta = tl.sum(do.to(tl.float32) * _block(O, q0, rm, lq, rd, hq, h, d).to(tl.float32), 1)
-        lse = tl.load(LSE + h * tq + q0 + rm, mask=rm < lq, other=float("inf"))
+        lse = tl.load(LSE + h.to(tl.int64) * tq + q0 + rm, mask=rm < lq, other=float("inf"))
         return q, do, delta, lse
 
     @triton.jit
@@ -141,13 +173,12 @@ if triton is not None:
 
     @triton.jit
     def _dk_dv_rows(
-        Q, K, V, O, DO, LSE, DK, DV, FLAGS, CU_Q, CU_K, scale, tq, hq, hkv, group, d,
+        Q, K, V, O, DO, LSE, DK, DV, TABLE, FLAGS, CU_Q, CU_K, scale, tq, hq, hkv, group, d,
         CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     ):
-        # program (segment, k block, kv head): dk, dv of its rows over the group's
+        # program (k block of a segment, kv head): dk, dv of its rows over the group's
         # query heads and every q block of the segment
-        seg, hk = tl.program_id(0), tl.program_id(2)
-        n0 = tl.program_id(1) * BN
+        seg, n0, hk = _table_entry(TABLE, BN)
         flagged, q0, lq, k0, lk = _segment(FLAGS, CU_Q, CU_K, seg)
         if flagged & (n0 < lk):
             rn = n0 + tl.arange(0, BN)
@@ -169,12 +200,11 @@ if triton is not None:
 
     @triton.jit
     def _dq_rows(
-        Q, K, V, O, DO, LSE, DQ, FLAGS, CU_Q, CU_K, scale, tq, hq, hkv, group, d,
+        Q, K, V, O, DO, LSE, DQ, TABLE, FLAGS, CU_Q, CU_K, scale, tq, hq, hkv, group, d,
         CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     ):
-        # program (segment, q block, query head): dq of its rows over the segment's keys
-        seg, h = tl.program_id(0), tl.program_id(2)
-        m0 = tl.program_id(1) * BM
+        # program (q block of a segment, query head): dq of its rows over the segment's keys
+        seg, m0, h = _table_entry(TABLE, BM)
         flagged, q0, lq, k0, lk = _segment(FLAGS, CU_Q, CU_K, seg)
         if flagged & (m0 < lq):
             hk = h // group

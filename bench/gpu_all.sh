@@ -81,6 +81,7 @@ profile() {
   step profile-cudagraph python3 bench/profile/profile_cudagraph.py --out "$OUT"
   step profile-hf python3 bench/profile/profile_hf.py --out "$OUT"
   step profile-host python3 bench/profile/profile_host.py --out "$OUT"
+  step profile-train-call python3 bench/profile/profile_train_call.py --out "$OUT"
 }
 
 for phase in "${@:-tests bench}"; do

@@ -172,8 +172,8 @@ def backward(
 # rows only (segment_backward.py), in place. This rests on the kernel's writes stopping
 # at each segment's end (per-segment bounded stores in its upstream source); the CUDA
 # gradient fuzz, on finite data against float64, is what checks it on the installed
-# version. Without a sync: the recompute always launches, over every segment slot, and
-# a program whose segment is not flagged only reads its flag. What it costs where
+# version. Without a sync: the recompute always launches, a program per row block and
+# head, and a program whose segment is not flagged only reads its flag. What it costs where
 # nothing is non-finite is one read of each gradient (the check) and two near-empty
 # launches, against the padded layout's copies of five inputs and three gradients.
 

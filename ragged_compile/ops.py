@@ -47,7 +47,7 @@ from .reference import (
     reference_lse,
 )
 from .runtime import get_runtime
-from .steps import fast_attention
+from .steps import fast_attention, repeated_training_call, run_repeated_training
 from .validation import (
     check_cu_seqlens_values, check_dropout, check_inputs, check_meta, check_values, check_variants,
     check_variants_meta, debug_checks,
@@ -151,16 +151,20 @@ def ragged_attention(
         and max_seqlen_q is None and max_seqlen_k is None and (causal is False or causal is True)
         and (scale is None or type(scale) is float) and type(window_size) is tuple and window_size == (-1, -1)
         and type(softcap) is float and softcap == 0.0 and type(dropout_p) is float and dropout_p == 0.0
-        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
         and not torch.is_autocast_enabled("cuda") and not debug_checks() and _undispatched(q, k, v)
     ):
-        # The layers of a forward after its first: see steps.fast_attention.
-        out = fast_attention(
-            q, k, v, cu_seqlens_q, cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k, causal,
-            q.shape[-1] ** -0.5 if scale is None else scale,
-        )
-        if out is not None:
-            return out
+        # The layers of a forward after its first: see steps.fast_attention and
+        # steps.repeated_training_call. Every check the first call passed holds.
+        cu_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+        call_scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            hit = repeated_training_call(q, k, v, cu_seqlens_q, cu_k, causal, call_scale)
+            if hit is not None:
+                return _EagerTraining.apply(q, k, v, cu_seqlens_q, cu_k, causal, call_scale, hit)
+        else:
+            out = fast_attention(q, k, v, cu_seqlens_q, cu_k, causal, call_scale)
+            if out is not None:
+                return out
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q
         if max_seqlen_k is None:
@@ -607,8 +611,12 @@ class _EagerTraining(torch.autograd.Function):
     CUDA kernels, saved tensors and backward as ``ragged_attention_lse``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, causal, scale):
-        out, lse, lens = get_runtime(q.device).attention_with_lse(q, k, v, cu_q, cu_k, causal, scale)
+    def forward(ctx, q, k, v, cu_q, cu_k, causal, scale, repeated=None):
+        # repeated: steps.repeated_training_call's resolution of this call, or None
+        got = None if repeated is None else run_repeated_training(repeated, q, k, v, cu_q, cu_k, causal, scale)
+        if got is None:
+            got = get_runtime(q.device).attention_with_lse(q, k, v, cu_q, cu_k, causal, scale)
+        out, lse, lens = got
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         ctx.lens, ctx.causal, ctx.scale = lens, causal, scale
         return out
@@ -618,7 +626,7 @@ class _EagerTraining(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         dq, dk, dv = _cuda_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, ctx.lens, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None, None  # calls without variants only
+        return dq, dk, dv, None, None, None, None, None  # calls without variants only
 
 
 def _lse_setup_context(ctx, inputs, output):

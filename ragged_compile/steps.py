@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Step", "PlannedStep", "ImplicitStep", "HostLayout", "OffsetsCache",
-    "activate", "current_step", "tensor_version", "fast_attention",
+    "activate", "current_step", "tensor_version", "fast_attention", "repeated_training_call", "run_repeated_training",
 ]
 
 IMPLICIT_LAYOUTS = 4  # layouts an implicit step keeps planned (wrappers it holds per config)
@@ -270,16 +270,14 @@ class _Resolved:
     backend: str | None
     requested: str  # the runtime's backend then: a change takes effect at the next call
     max_lens: tuple[int, int] | None = None  # "varlen": its grid, from the host layout
+    lens: tuple[int, int, int] | None = None  # training: (max_q, max_k, pairs) for the backward
+    runtime: object = None  # the step's runtime (counts, last_backend)
 
 
-def fast_attention(q, k, v, cu_q, cu_k, causal: bool, scale) -> torch.Tensor | None:
-    """The inference kernel of a call that repeats an earlier call of this step:
-    the same offsets tensors (identity and in-place version), q/k shapes, dtype,
-    causality, scale, device and stream, on the plan that call ran (unless it was
-    re-planned since: ``fi.replay`` checks). Every check the first call passed depends only on
-    those, so this call runs the kernel directly. None where it is not such a call:
-    the caller takes the full path. The caller has checked that the call is
-    eager, plain attention on plain tensors, and needs no gradient."""
+def _repeat(table: str, q, k, v, cu_q, cu_k, causal: bool, scale):
+    """The resolution an earlier call of this step left in its ``table`` for a call
+    with the same offsets tensors (identity and in-place version), q/k shapes,
+    dtype, causality, scale, device, stream and requested backend; None if none."""
     ref = _local.__dict__.get("last")
     step = None if ref is None else ref()
     if step is None:
@@ -287,7 +285,7 @@ def fast_attention(q, k, v, cu_q, cu_k, causal: bool, scale) -> torch.Tensor | N
     active = current_step()
     if active is not step and (active is not None or step.runtime._local.__dict__.get("implicit") is not step):
         return None
-    hit = step.fast.get((id(cu_q), id(cu_k), q.shape, k.shape, q.dtype, causal, scale))
+    hit = getattr(step, table).get((id(cu_q), id(cu_k), q.shape, k.shape, q.dtype, causal, scale))
     if (
         hit is None or hit.ref_q() is not cu_q or hit.ref_k() is not cu_k
         or cu_q._version != hit.version_q or cu_k._version != hit.version_k or cu_q.shape[0] != hit.n
@@ -295,9 +293,23 @@ def fast_attention(q, k, v, cu_q, cu_k, causal: bool, scale) -> torch.Tensor | N
         or q.get_device() != hit.device or k.get_device() != hit.device or v.get_device() != hit.device
     ):
         return None
-    rt = step.runtime
-    if rt._current_stream() != hit.stream or rt.backend != hit.requested:
+    if hit.runtime._current_stream() != hit.stream or hit.runtime.backend != hit.requested:
         return None
+    return hit
+
+
+def fast_attention(q, k, v, cu_q, cu_k, causal: bool, scale) -> torch.Tensor | None:
+    """The inference kernel of a call that repeats an earlier call of this step
+    (:func:`_repeat`), on the plan that call ran (unless it was re-planned since:
+    ``fi.replay`` checks). Every check the first call passed depends only on
+    what :func:`_repeat` compares, so this call runs the kernel directly. None
+    where it is not such a call: the caller takes the full path. The caller has
+    checked that the call is eager, plain attention on plain tensors, and needs
+    no gradient."""
+    hit = _repeat("fast", q, k, v, cu_q, cu_k, causal, scale)
+    if hit is None:
+        return None
+    rt = hit.runtime
     if hit.slot is None:  # PyTorch's FlashAttention-2: no plan, the layout's grid
         if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
             return None
@@ -310,6 +322,34 @@ def fast_attention(q, k, v, cu_q, cu_k, causal: bool, scale) -> torch.Tensor | N
         rt.count("flashinfer")
     rt.last_backend = hit.backend
     return out
+
+
+def repeated_training_call(q, k, v, cu_q, cu_k, causal: bool, scale) -> _Resolved | None:
+    """:func:`fast_attention`'s lookup for a training call (forward with its LSE): the
+    resolution of an earlier training call of this step that this one repeats,
+    for :func:`run_repeated_training` inside the op's autograd function, or None."""
+    hit = _repeat("fast_lse", q, k, v, cu_q, cu_k, causal, scale)
+    if hit is None or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return None
+    return hit
+
+
+def run_repeated_training(hit: _Resolved, q, k, v, cu_q, cu_k, causal: bool, scale):
+    """``(out, lse, lens)`` as :meth:`PlannedStep.attention_with_lse` gives them, for a
+    call :func:`repeated_training_call` resolved; None where the recorded kernel
+    call cannot be replayed (the caller takes the full path)."""
+    rt = hit.runtime
+    if hit.slot is None:
+        out, lse = flash_backward.forward_unpadded(q, k, v, cu_q, cu_k, *hit.max_lens, causal, scale, lse=True)
+        rt.count("varlen")
+    else:
+        got = fi.replay(hit.slot.wrapper, q, k, v, lse=True)
+        if got is None:
+            return None
+        out, lse = got[0], flash_backward.lse_from_flashinfer(got[1])
+        rt.count("flashinfer")
+    rt.last_backend = hit.backend
+    return out, lse, hit.lens
 
 
 class PlannedStep(Step):
@@ -325,6 +365,7 @@ class PlannedStep(Step):
         self.kernels: dict[tuple, str] = {}  # see Runtime.kernel
         self.slots: list = []  # the runtime's wrapper slots this step holds
         self.fast: dict[tuple, _Resolved] = {}  # see fast_attention
+        self.fast_lse: dict[tuple, _Resolved] = {}  # see repeated_training_call
 
     @staticmethod
     def _key(cu: torch.Tensor) -> tuple:
@@ -458,11 +499,12 @@ class PlannedStep(Step):
             self._remember(q, k, cu_q, cu_k, causal, scale, slot)
         return out
 
-    def _remember(self, q, k, cu_q, cu_k, causal, scale, slot, max_lens=None) -> None:
+    def _remember(self, q, k, cu_q, cu_k, causal, scale, slot, max_lens=None, lens=None) -> None:
         """Keep what this call resolved, so that the next layer's call with the same
-        offsets and shapes goes straight to the kernel (:func:`fast_attention`):
-        FlashInfer's planned ``slot``, or (``slot`` None) FlashAttention-2 with the
-        layout's ``max_lens``, on int32 offsets it takes as they are."""
+        offsets and shapes goes straight to the kernel (:func:`fast_attention`; with
+        ``lens``, a training call's, :func:`repeated_training_call`): FlashInfer's
+        planned ``slot``, or (``slot`` None) FlashAttention-2 with the layout's
+        ``max_lens``, on int32 offsets it takes as they are."""
         vq, vk = tensor_version(cu_q), tensor_version(cu_k)
         if vq is None or vk is None:
             return  # inference tensors: edits would go unseen
@@ -471,9 +513,10 @@ class PlannedStep(Step):
         ):
             return
         key = (id(cu_q), id(cu_k), q.shape, k.shape, q.dtype, causal, scale)
-        self.fast[key] = _Resolved(
+        (self.fast if lens is None else self.fast_lse)[key] = _Resolved(
             weakref.ref(cu_q), weakref.ref(cu_k), vq, vk, cu_q.shape[0], q.get_device(),
             self.runtime._current_stream(), slot, self.runtime.last_backend, self.runtime.backend, max_lens,
+            lens, self.runtime,
         )
         _local.last = weakref.ref(self)
 
@@ -511,10 +554,14 @@ class PlannedStep(Step):
             rt.count("varlen")
             rt.last_backend = "varlen"
             out, lse = flash_backward.forward(q, k, v, cu_q, cu_k, *max_lens, causal, scale)
+            if trains and max_lens[0] and max_lens[1] and q.shape[2] == flash_backward.fa2_head_dim(q.shape[2]):
+                self._remember(q, k, cu_q, cu_k, causal, scale, None, max_lens, lens)
             return out, lse, lens
         slot = rt.plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale, backend=kernel)
         rt.count("flashinfer")
         out, lse = fi.run_with_lse(slot.wrapper, q, k, v)
+        if trains:
+            self._remember(q, k, cu_q, cu_k, causal, scale, slot, lens=lens)
         return out, flash_backward.lse_from_flashinfer(lse), lens
 
 

@@ -63,7 +63,7 @@ def install(monkeypatch) -> list[Wrapper]:
     monkeypatch.setattr(fi, "make_wrapper", make_wrapper)
     monkeypatch.setattr(fi, "plan", plan)
     monkeypatch.setattr(fi, "run", lambda w, q, k, v: w.run(q, k, v))
-    monkeypatch.setattr(fi, "replay", lambda w, q, k, v: w.run(q, k, v))
+    monkeypatch.setattr(fi, "replay", lambda w, q, k, v, lse=False: run_with_lse(w, q, k, v) if lse else w.run(q, k, v))
     monkeypatch.setattr(fi, "run_with_lse", run_with_lse)
     monkeypatch.setattr(select, "flashinfer_backend", lambda requested, *a, **kw: "fa2")
     # graph mode's double-buffered pinned plan buffer (cudagraph.py)

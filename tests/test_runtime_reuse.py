@@ -487,6 +487,43 @@ def test_fast_path_repeats_only_the_call_it_resolved(fake_flashinfer):
     assert rt.stats["plans"] == 2
 
 
+def test_training_fast_path_repeats_only_the_training_call_it_resolved(fake_flashinfer):
+    """A training call (forward with its LSE) leaves its resolution for the next
+    layer's (``steps.repeated_training_call``): same offsets tensors, unmodified,
+    same shapes, dtype, causality and scale, else None. Replayed, it gives the
+    output, the LSE in the backward's layout and the host lengths of the full path."""
+    from ragged_compile.steps import fast_attention, repeated_training_call, run_repeated_training
+
+    rt, call = fake_flashinfer
+    q, k, v = _qkv(60)
+    cu = _cu([10, 20, 30])
+    with rt.step():
+        step = rt._step_for(cu, cu)
+        full = step.attention_with_lse(q, k, v, cu, cu, True, 0.3)
+        assert full[2] == (30, 30, 10 * 10 + 20 * 20 + 30 * 30)
+        assert fast_attention(q, k, v, cu, cu, True, 0.3) is None  # an inference call is not a training one
+        q2, k2, v2 = _qkv(60, seed=1)
+        hit = repeated_training_call(q2, k2, v2, cu, cu, True, 0.3)
+        assert hit is not None
+        out, lse, lens = run_repeated_training(hit, q2, k2, v2, cu, cu, True, 0.3)
+        want_out, want_lse, want_lens = step.attention_with_lse(q2, k2, v2, cu, cu, True, 0.3)
+        torch.testing.assert_close(out, _want(q2, k2, v2, cu))
+        torch.testing.assert_close(out, want_out)
+        torch.testing.assert_close(lse, want_lse)
+        assert lens == want_lens
+        assert rt.stats["plans"] == 1
+        assert repeated_training_call(q, k, v, cu.clone(), cu, True, 0.3) is None
+        assert repeated_training_call(q, k, v, cu, cu, False, 0.3) is None
+        assert repeated_training_call(q, k, v, cu, cu, True, 0.5) is None
+        assert repeated_training_call(q.double(), k.double(), v.double(), cu, cu, True, 0.3) is None
+        assert repeated_training_call(q[:, :1], k[:, :1], v[:, :1], cu, cu, True, 0.3) is None
+        qs, ks, vs = (torch.stack([t, t], -1).flatten(-2)[..., ::2] for t in (q, k, v))  # same shapes
+        assert qs.stride(-1) == 2 and repeated_training_call(qs, ks, vs, cu, cu, True, 0.3) is None
+        cu[1:].copy_(_cu([30, 20, 10])[1:])  # in place, equal totals
+        assert repeated_training_call(q, k, v, cu, cu, True, 0.3) is None
+    assert repeated_training_call(q2, k2, v2, cu, cu, True, 0.3) is None  # the step ended
+
+
 def test_fast_path_ends_with_its_step_and_its_thread(fake_flashinfer):
     from ragged_compile.steps import fast_attention
 

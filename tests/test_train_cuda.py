@@ -122,6 +122,51 @@ def test_gradients_match_float64_autograd(backward_kernel, backend, layout, caus
     _assert_close_grads([t.grad for t in (q, k, v)], want, q.dtype, what)
 
 
+@pytest.mark.parametrize("backend", ["auto", *_backends(), "varlen"])
+def test_later_training_layers_repeat_the_first_layers_resolution_and_match(monkeypatch, backend):
+    """A training forward's layers after its first with the same offsets take
+    ``steps.repeated_training_call`` (no checks, layout or plan lookups: the first
+    call's resolution, FlashInfer's recorded kernel call or FlashAttention-2's grid),
+    and every layer's gradients still match float64 autograd; an in-place edit of
+    the offsets takes the full path, and a q that is not contiguous the replay
+    cannot take (FlashInfer's) runs the full path inside the autograd function."""
+    from ragged_compile import steps
+
+    lens = [64, 1, 0, 300, 17, 100]
+    hits = []
+
+    def spy(*a):
+        got = steps.repeated_training_call(*a)
+        hits.append(got is not None)
+        return got
+
+    monkeypatch.setattr(rc.ops, "repeated_training_call", spy)
+
+    def check(q, k, v, cu, out, i):
+        g = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=torch.Generator("cuda").manual_seed(i))
+        out.backward(g)
+        want_out, *want = dense_gradients(g, q, k, v, cu, cu, True, 64**-0.5)
+        assert _rel(out.detach(), want_out) < 2e-2, i
+        _assert_close_grads([t.grad for t in (q, k, v)], want, q.dtype, f"{backend} layer {i}")
+
+    with Runtime(backend=backend).step():
+        cu = _cu(lens)
+        layers = []
+        for i in range(4):
+            q, k, v, _, _ = _case(lens, lens, 8, 2, 64, seed=i)
+            layers.append((q, k, v, cu, rc.ragged_attention(q, k, v, cu, causal=True), i))
+        for layer in layers:  # before the edit below: autograd refuses offsets edited since
+            check(*layer)
+        cu[1:].copy_(_cu([1, 64, 300, 0, 100, 17])[1:])  # equal totals, another layout
+        for i in (4, 5):
+            q, k, v, _, _ = _case(lens, lens, 8, 2, 64, seed=i)
+            check(q, k, v, cu, rc.ragged_attention(q, k, v, cu, causal=True), i)
+        q, k, v, _, _ = _case(lens, lens, 8, 2, 64, seed=6)
+        qt = q.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()  # same values, strided
+        check(qt, k, v, cu, rc.ragged_attention(qt, k, v, cu, causal=True), 6)
+    assert hits == [False, True, True, True, False, True, True], hits
+
+
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 72, 128])

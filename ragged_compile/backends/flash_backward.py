@@ -121,15 +121,17 @@ def forward(
     return _forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, 0.0)[:2]
 
 
-def forward_unpadded(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float) -> torch.Tensor:
-    """:func:`forward`'s output for a call whose every argument the kernel takes as
-    it is (head dim a multiple of 8, unit last strides, int32 contiguous offsets,
-    ``max_q``/``max_k`` > 0, within :data:`MAX_SEGMENTS`): the later layers of a
-    forward whose first call went through :func:`forward` (``steps.fast_attention``)."""
-    out = _forward_kernel(
+def forward_unpadded(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, lse: bool = False):
+    """:func:`forward`'s output (``lse``: and its LSE) for a call whose every argument
+    the kernel takes as it is (head dim a multiple of 8, unit last strides, int32
+    contiguous offsets, ``max_q``/``max_k`` > 0, within :data:`MAX_SEGMENTS`): the
+    later layers of a forward whose first call went through :func:`forward`
+    (``steps.fast_attention``, ``steps.run_repeated_training``)."""
+    got = _forward_kernel(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, window_size_left=-1, window_size_right=-1,
-    )[0]
-    return out if out.is_contiguous() else out.contiguous()
+    )
+    out = got[0] if got[0].is_contiguous() else got[0].contiguous()
+    return (out, got[1]) if lse else out
 
 
 def forward_dropout(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, dropout_p: float):

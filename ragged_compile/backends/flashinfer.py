@@ -230,20 +230,25 @@ class _Replay:
 _REPLAY = "_ragged_compile_replay"
 
 
-def replay(wrapper, q, k, v) -> torch.Tensor | None:
-    """:func:`run` for the calls of a plan after its first, when nothing needs
-    adapting: head dim FlashInfer's own, contiguous q, unit last strides, and the
-    kernel call recorded. None where :func:`run` must do it."""
+def replay(wrapper, q, k, v, lse: bool = False):
+    """:func:`run` (``lse``: :func:`run_with_lse`) for the calls of a plan after its
+    first, when nothing needs adapting: head dim FlashInfer's own, contiguous q,
+    unit last strides, and the kernel call recorded. None where :func:`run` must
+    do it."""
     rec = getattr(wrapper, _REPLAY, None)
     if (
-        rec is None or rec.lse or rec.plan_info is not getattr(wrapper, "_plan_info", None)
+        rec is None or rec.lse != lse or rec.plan_info is not getattr(wrapper, "_plan_info", None)
         or rec.out_dim != q.shape[-1] or rec.out_dtype != q.dtype or not q.is_contiguous()
         or k.stride(-1) != 1 or v.stride(-1) != 1
     ):
         return None
     out = torch.empty_like(q)
-    _call(rec, (q, k, v, out))
-    return out
+    if not lse:
+        _call(rec, (q, k, v, out))
+        return out
+    row_lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
+    _call(rec, (q, k, v, out, row_lse))
+    return out, row_lse
 
 
 def _call(rec: _Replay, tensors: tuple) -> None:

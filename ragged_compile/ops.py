@@ -160,7 +160,7 @@ def ragged_attention(
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             hit = repeated_training_call(q, k, v, cu_seqlens_q, cu_k, causal, call_scale)
             if hit is not None:
-                return _EagerTraining.apply(q, k, v, cu_seqlens_q, cu_k, causal, call_scale, hit)
+                return _repeated_training(hit, q, k, v, cu_seqlens_q, cu_k, causal, call_scale)
         else:
             out = fast_attention(q, k, v, cu_seqlens_q, cu_k, causal, call_scale)
             if out is not None:
@@ -604,6 +604,19 @@ def _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, lens
     return flash_backward.backward(
         grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale, window
     )
+
+
+def _repeated_training(hit, q, k, v, cu_q, cu_k, causal: bool, scale: float) -> torch.Tensor:
+    """A training call that repeats an earlier one of its step (see
+    steps.repeated_training_call). Where its forward is PyTorch's FlashAttention-2
+    and its backward would be too, aten's forward runs under autograd, which then
+    runs aten's own FlashAttention-2 backward: the same kernels as
+    :class:`_EagerTraining`'s, with no Python in the backward (whose host time
+    decides small batches)."""
+    work, slots = hit.work
+    if hit.slot is None and select.backward_kernel(q.device, q.dtype, q.shape[-1], work, (), slots) == "fa2":
+        return run_repeated_training(hit, q, k, v, cu_q, cu_k, causal, scale, lse=False)
+    return _EagerTraining.apply(q, k, v, cu_q, cu_k, causal, scale, hit)
 
 
 class _EagerTraining(torch.autograd.Function):

@@ -271,6 +271,7 @@ class _Resolved:
     requested: str  # the runtime's backend then: a change takes effect at the next call
     max_lens: tuple[int, int] | None = None  # "varlen": its grid, from the host layout
     lens: tuple[int, int, int] | None = None  # training: (max_q, max_k, pairs) for the backward
+    work: tuple | None = None  # training: select.backward_kernel's (work, slots) for this layout
     runtime: object = None  # the step's runtime (counts, last_backend)
 
 
@@ -334,22 +335,28 @@ def repeated_training_call(q, k, v, cu_q, cu_k, causal: bool, scale) -> _Resolve
     return hit
 
 
-def run_repeated_training(hit: _Resolved, q, k, v, cu_q, cu_k, causal: bool, scale):
+def run_repeated_training(hit: _Resolved, q, k, v, cu_q, cu_k, causal: bool, scale, lse: bool = True):
     """``(out, lse, lens)`` as :meth:`PlannedStep.attention_with_lse` gives them, for a
     call :func:`repeated_training_call` resolved; None where the recorded kernel
-    call cannot be replayed (the caller takes the full path)."""
+    call cannot be replayed (the caller takes the full path).
+
+    ``lse=False`` (FlashAttention-2's forward only): ``out`` alone, from aten's
+    forward called as it is, so that under grad mode autograd records aten's
+    own backward node (FlashAttention-2's backward, in C++)."""
     rt = hit.runtime
     if hit.slot is None:
-        out, lse = flash_backward.forward_unpadded(q, k, v, cu_q, cu_k, *hit.max_lens, causal, scale, lse=True)
+        got = flash_backward.forward_unpadded(q, k, v, cu_q, cu_k, *hit.max_lens, causal, scale, lse=lse)
         rt.count("varlen")
+    elif not lse:
+        raise ValueError("a FlashInfer forward trains through the op's backward: replay it with its LSE")
     else:
         got = fi.replay(hit.slot.wrapper, q, k, v, lse=True)
         if got is None:
             return None
-        out, lse = got[0], flash_backward.lse_from_flashinfer(got[1])
+        got = (got[0], flash_backward.lse_from_flashinfer(got[1]))
         rt.count("flashinfer")
     rt.last_backend = hit.backend
-    return out, lse, hit.lens
+    return (*got, hit.lens) if lse else got
 
 
 class PlannedStep(Step):
@@ -499,7 +506,7 @@ class PlannedStep(Step):
             self._remember(q, k, cu_q, cu_k, causal, scale, slot)
         return out
 
-    def _remember(self, q, k, cu_q, cu_k, causal, scale, slot, max_lens=None, lens=None) -> None:
+    def _remember(self, q, k, cu_q, cu_k, causal, scale, slot, max_lens=None, lens=None, layout=None) -> None:
         """Keep what this call resolved, so that the next layer's call with the same
         offsets and shapes goes straight to the kernel (:func:`fast_attention`; with
         ``lens``, a training call's, :func:`repeated_training_call`): FlashInfer's
@@ -513,10 +520,14 @@ class PlannedStep(Step):
         ):
             return
         key = (id(cu_q), id(cu_k), q.shape, k.shape, q.dtype, causal, scale)
+        work = None
+        if lens is not None:  # what select.backward_kernel weighs, as _cuda_backward computes it
+            work = (select.backward_work(q.shape[1], k.shape[1], q.shape[0], k.shape[0], lens[2], causal),
+                    (layout.n, q.shape[0], k.shape[0]))
         (self.fast if lens is None else self.fast_lse)[key] = _Resolved(
             weakref.ref(cu_q), weakref.ref(cu_k), vq, vk, cu_q.shape[0], q.get_device(),
             self.runtime._current_stream(), slot, self.runtime.last_backend, self.runtime.backend, max_lens,
-            lens, self.runtime,
+            lens, work, self.runtime,
         )
         _local.last = weakref.ref(self)
 
@@ -555,13 +566,13 @@ class PlannedStep(Step):
             rt.last_backend = "varlen"
             out, lse = flash_backward.forward(q, k, v, cu_q, cu_k, *max_lens, causal, scale)
             if trains and max_lens[0] and max_lens[1] and q.shape[2] == flash_backward.fa2_head_dim(q.shape[2]):
-                self._remember(q, k, cu_q, cu_k, causal, scale, None, max_lens, lens)
+                self._remember(q, k, cu_q, cu_k, causal, scale, None, max_lens, lens, layout)
             return out, lse, lens
         slot = rt.plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale, backend=kernel)
         rt.count("flashinfer")
         out, lse = fi.run_with_lse(slot.wrapper, q, k, v)
         if trains:
-            self._remember(q, k, cu_q, cu_k, causal, scale, slot, lens=lens)
+            self._remember(q, k, cu_q, cu_k, causal, scale, slot, lens=lens, layout=layout)
         return out, flash_backward.lse_from_flashinfer(lse), lens
 
 

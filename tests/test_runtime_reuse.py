@@ -524,6 +524,42 @@ def test_training_fast_path_repeats_only_the_training_call_it_resolved(fake_flas
     assert repeated_training_call(q2, k2, v2, cu, cu, True, 0.3) is None  # the step ended
 
 
+def test_training_fast_path_on_flash_attention_2_replays_its_grid(fake_flashinfer, monkeypatch):
+    """A training call whose forward is PyTorch's FlashAttention-2 leaves its grid
+    (the host layout's longest segments) and what the backward choice weighs; its
+    repeat runs the kernel on the call's own offsets, with or without the LSE."""
+    from ragged_compile.backends import flash_backward, select
+    from ragged_compile.reference import reference_lse
+    from ragged_compile.steps import repeated_training_call, run_repeated_training
+
+    rt, _ = fake_flashinfer
+    seen = []
+
+    def fa2_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug, *, scale, window_size_left,
+                    window_size_right):
+        seen.append((cu_q, max_q, max_k))
+        out = rc.reference_attention(q, k, v, cu_q, cu_k, causal, scale)
+        return out, reference_lse(q, k, cu_q, cu_k, causal, scale), torch.zeros(2, dtype=torch.uint64), None, None
+
+    monkeypatch.setattr(flash_backward, "_forward_kernel", fa2_forward)
+    monkeypatch.setattr(rt, "kernel", lambda *a, **kw: "varlen")
+    q, k, v = _qkv(60)
+    cu = _cu([10, 20, 30]).to(torch.int32)
+    with rt.step():
+        step = rt._step_for(cu, cu)
+        _, want_lse, lens = step.attention_with_lse(q, k, v, cu, cu, True, 0.3)
+        hit = repeated_training_call(q, k, v, cu, cu, True, 0.3)
+        assert hit is not None and hit.slot is None and hit.max_lens == (30, 30)
+        assert hit.work == (select.backward_work(2, 2, 60, 60, lens[2], True), (3, 60, 60))
+        out, lse, got_lens = run_repeated_training(hit, q, k, v, cu, cu, True, 0.3)
+        torch.testing.assert_close(out, _want(q, k, v, cu))
+        torch.testing.assert_close(lse, want_lse)
+        assert got_lens == lens
+        torch.testing.assert_close(run_repeated_training(hit, q, k, v, cu, cu, True, 0.3, lse=False), out)
+    assert len(seen) == 3 and all(c is cu and (a, b) == (30, 30) for c, a, b in seen)
+    assert rt.stats["varlen"] == 3 and rt.stats["plans"] == 0
+
+
 def test_fast_path_ends_with_its_step_and_its_thread(fake_flashinfer):
     from ragged_compile.steps import fast_attention
 

@@ -123,7 +123,7 @@ def test_gradients_match_float64_autograd(backward_kernel, backend, layout, caus
 
 
 @pytest.mark.parametrize("backend", ["auto", *_backends(), "varlen"])
-def test_later_training_layers_repeat_the_first_layers_resolution_and_match(monkeypatch, backend):
+def test_later_training_layers_repeat_the_first_layers_resolution_and_match(monkeypatch, backward_kernel, backend):
     """A training forward's layers after its first with the same offsets take
     ``steps.repeated_training_call`` (no checks, layout or plan lookups: the first
     call's resolution, FlashInfer's recorded kernel call or FlashAttention-2's grid),
@@ -149,12 +149,16 @@ def test_later_training_layers_repeat_the_first_layers_resolution_and_match(monk
         assert _rel(out.detach(), want_out) < 2e-2, i
         _assert_close_grads([t.grad for t in (q, k, v)], want, q.dtype, f"{backend} layer {i}")
 
-    with Runtime(backend=backend).step():
+    rt = Runtime(backend=backend)
+    with rt.step():
         cu = _cu(lens)
         layers = []
         for i in range(4):
             q, k, v, _, _ = _case(lens, lens, 8, 2, 64, seed=i)
             layers.append((q, k, v, cu, rc.ragged_attention(q, k, v, cu, causal=True), i))
+            if i and rt.last_backend == "varlen" and backward_kernel == "fa2":
+                # both sides FlashAttention-2: aten's forward records its own backward
+                assert "FlashAttention" in layers[-1][4].grad_fn.name(), layers[-1][4].grad_fn.name()
         for layer in layers:  # before the edit below: autograd refuses offsets edited since
             check(*layer)
         cu[1:].copy_(_cu([1, 64, 300, 0, 100, 17])[1:])  # equal totals, another layout

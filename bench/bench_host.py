@@ -40,6 +40,7 @@ the plumbing. Writes ``host.json`` (every number, the environment) and
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pathlib
@@ -131,7 +132,10 @@ def op_rows(dev, dtype, lens, heads, d, reps) -> dict:
         b, s = len(lens), max(lens)
         qd = torch.randn(b, hq, s, d, device=dev, dtype=dtype)
         rows["sdpa_dense"] = per_call_us(lambda: F.scaled_dot_product_attention(qd, qd, qd), dev, reps)
-        varlen = getattr(getattr(torch.nn.attention, "varlen", None), "varlen_attn", None)
+        try:  # a submodule torch.nn.attention does not import itself
+            varlen = importlib.import_module("torch.nn.attention.varlen").varlen_attn
+        except (ImportError, AttributeError):
+            varlen = None
         if varlen is not None and dev.type == "cuda":
             m = max(lens)
             rows["varlen_attn"] = per_call_us(lambda: varlen(q, k, v, cu, cu, m, m), dev, reps)
@@ -156,6 +160,16 @@ def op_rows(dev, dtype, lens, heads, d, reps) -> dict:
             with rt.step(lens):
                 rows["ours_fwd_bwd" if backend == "auto" else f"ours_{backend}_fwd_bwd"] = per_call_us(train, dev, reps // 2)
         rt.backend = "auto"
+        # the floor of a training call on these kernels: aten's FlashAttention-2 forward
+        # under autograd, whose own backward node runs FlashAttention-2's backward
+        m = max(lens)
+        rows["aten_fa2_fwd_bwd"] = per_call_us(
+            lambda: torch.autograd.backward(
+                torch.ops.aten._flash_attention_forward(qg, kg, vg, cu, cu, m, m, 0.0, False, False, scale=d**-0.5)[0],
+                go,
+            ),
+            dev, reps // 2,
+        )
         qgd = qd.clone().requires_grad_(True)
         god = torch.randn_like(qgd)
         rows["sdpa_dense_fwd_bwd"] = per_call_us(

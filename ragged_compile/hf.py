@@ -15,7 +15,8 @@ What runs on ``ragged_compile::ragged_attention`` (one call per layer):
   The layout is device arithmetic of static shape, so it compiles. Eager on
   CUDA, a small non-causal batch (``select.padded_kernel``) runs SDPA with the
   key-padding mask instead, in inference and training, reading nothing to the
-  host (see ``_dense_padded``);
+  host (see ``_dense_padded``), and a mask read that pads nothing runs SDPA
+  without it, as stock does (``select.full_rows_kernel``);
 * packed batches: ``cu_seq_lens_q/k`` kwargs (``DataCollatorWithFlattening``),
   or ``position_ids`` restarts when there is no mask;
 * cross-attention with a key padding mask; decoding with a KV cache (our causal
@@ -55,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from . import hf_towers
-from .backends.select import WINDOW, padded_kernel, unsupported_reason, variant
+from .backends.select import WINDOW, full_rows_kernel, padded_kernel, unsupported_reason, variant
 from .logs import warn_once
 from .ops import autocast_inputs, ragged_attention
 from .steps import current_step
@@ -396,11 +397,12 @@ class _Segments:
     """Offsets over the flattened ``[B * Sq]`` queries and ``[B * Sk]`` keys, and, where
     they were read once per forward, their host copies (``host_q``, ``host_k``)."""
 
-    __slots__ = ("cu_q", "cu_k", "max_k", "ragged", "plain", "host_q", "host_k", "__weakref__")
+    __slots__ = ("cu_q", "cu_k", "max_k", "ragged", "plain", "host_q", "host_k", "full", "__weakref__")
 
-    def __init__(self, cu_q, cu_k, max_k=None, ragged=True, plain=False, host_q=None, host_k=None):
+    def __init__(self, cu_q, cu_k, max_k=None, ragged=True, plain=False, host_q=None, host_k=None, full=False):
         self.cu_q, self.cu_k, self.max_k, self.ragged, self.plain = cu_q, cu_k, max_k, ragged, plain
         self.host_q, self.host_k = host_q, host_k
+        self.full = full  # read from a 2-D mask that pads nothing (select.full_rows_kernel)
 
     def tell_runtime(self) -> None:
         """Give the CUDA runtime the host copies, so planning reads nothing back."""
@@ -492,11 +494,12 @@ def _read_padded_layout(valid_k: torch.Tensor, sq: int, causal: bool) -> _Segmen
     if runs is None:
         return _Segments(None, None, ragged=False)
     seg = _layout_of_runs(*runs, sq, valid_k.shape[-1], causal)
+    seg.full = bool((runs[1] == valid_k.shape[-1]).all())
     if not valid_k.is_cuda:
         return seg
     both = torch.cat([seg.cu_q, seg.cu_k]).pin_memory().to(valid_k.device, non_blocking=True)
     m = seg.cu_q.shape[0]
-    on_device = _Segments(both[:m], both[m:], host_q=seg.cu_q, host_k=seg.cu_k)
+    on_device = _Segments(both[:m], both[m:], host_q=seg.cu_q, host_k=seg.cu_k, full=seg.full)
     on_device.tell_runtime()
     return on_device
 
@@ -844,6 +847,12 @@ def attention_forward(
             layout = _cached(attention_mask, (sq, aligned), build)
             if not layout.ragged:
                 reason, layout = NOT_RAGGED, None
+            elif (layout.full and query.is_cuda and window is None and not softcap and sinks is None
+                  and full_rows_kernel(hq, key.shape[1], sq, sk, causal) == "sdpa"):
+                # nothing is padded: the dense kernel, without the mask, as stock runs it
+                out = F.scaled_dot_product_attention(cast_q, cast_k, cast_v, dropout_p=dropout_p,
+                                                     is_causal=causal, scale=scaling)
+                return out.transpose(1, 2).contiguous(), None
     elif attention_mask.dim() == 4 and not compiling:
         def build4():
             valid = _check_4d(attention_mask, b, sq, sk, causal)

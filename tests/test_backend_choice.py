@@ -279,3 +279,15 @@ def test_backward_sweep_covers_what_the_rule_distinguishes():
     for d in {r["d"] for r in BWD_ROWS}:
         ratios = [r["fa4_fused_ms"] / r["fa2_ms"] for r in BWD_ROWS if r["d"] == d]
         assert min(ratios) < 0.97 and max(ratios) > 1.03, d
+
+
+def test_full_rows_run_dense_sdpa_only_where_it_is_the_same_attention():
+    """select.full_rows_kernel: a padding mask that pads nothing goes to SDPA without
+    the mask (stock's kernel for it), except where SDPA without a mask would differ
+    from the op: GQA (SDPA would need enable_gqa), causal with more keys than queries
+    (SDPA aligns top-left, the op bottom-right)."""
+    assert select.full_rows_kernel(12, 12, 512, 512, False) == "sdpa"
+    assert select.full_rows_kernel(12, 12, 512, 512, True) == "sdpa"
+    assert select.full_rows_kernel(12, 12, 7, 512, False) == "sdpa"  # cross-attention, no mask needed
+    assert select.full_rows_kernel(12, 12, 7, 512, True) == "ragged"
+    assert select.full_rows_kernel(32, 8, 512, 512, False) == "ragged"

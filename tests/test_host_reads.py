@@ -167,6 +167,61 @@ def test_cuda_small_padded_batch_runs_without_a_plan(kind, left, dense, monkeypa
     torch.testing.assert_close(out[valid].float(), want[valid].float(), atol=3e-2, rtol=3e-2)
 
 
+def test_mask_read_says_whether_it_pads_anything():
+    """The one read of a 2-D mask per forward also says whether any row is padded
+    (hf.py then runs SDPA without the mask where nothing is: select.full_rows_kernel)."""
+    from ragged_compile.hf import _read_padded_layout
+
+    full = torch.ones(3, 16, dtype=torch.bool)
+    assert _read_padded_layout(full, 16, False).full and _read_padded_layout(full, 16, True).full
+    padded = full.clone()
+    padded[1, 12:] = False
+    assert not _read_padded_layout(padded, 16, False).full
+    left = full.clone()
+    left[2, :1] = False
+    assert not _read_padded_layout(left, 16, True).full
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_cuda_full_rows_run_sdpa_without_the_mask(kind, monkeypatch):
+    """A batch whose mask pads nothing (every row full), too large for the small-batch
+    route: SDPA without a mask, as stock's mask function makes it (no op call, no
+    plan), reading the mask once; the model's own ``"sdpa"`` output. The Llama here
+    is GQA (4 query, 2 key-value heads): it stays on the op."""
+    from ragged_compile.runtime import get_runtime
+
+    rt = get_runtime(torch.device("cuda", torch.cuda.current_device()))
+    model = _model(kind, "cuda").to(torch.bfloat16)
+    ids, mask = _batch([64] * 4, 64, device="cuda")
+    assert bool(mask.bool().all())
+    from ragged_compile.backends import select
+
+    monkeypatch.setattr(select, "_DENSE_MAX_FLOPS", 0)  # not the small-batch route
+    kw = {"use_cache": False} if kind == "llama" else {}
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **kw)
+        before = dict(rt.stats)
+        with Count(OURS) as c, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(1)
+            try:
+                out = model(input_ids=ids, attention_mask=mask, **kw)[0]
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        model.set_attn_implementation("sdpa")
+        want = model(input_ids=ids, attention_mask=mask, **kw)[0]
+    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+    assert len(syncs) <= 1, syncs
+    if kind == "bert":
+        assert c.n == 0
+        assert all(rt.stats.get(k, 0) == before.get(k, 0) for k in ("varlen", "flashinfer", "plans"))
+    else:
+        assert c.n == 4
+    torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("attention_dropout", [0.0, 0.1])
 def test_cuda_small_padded_training_runs_sdpa_with_the_mask(attention_dropout):

@@ -55,6 +55,18 @@ def _model(kind, device="cpu"):
     return model.eval().to(device)
 
 
+def _with_syncs(fn):
+    """``fn()`` and the device-to-host syncs CUDA's sync debug mode saw in it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return out, [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+
+
 def _batch(lengths, s, left=False, device="cpu"):
     mask = pad_mask(lengths, s, left)
     ids = torch.randint(1, 63, (len(lengths), s))
@@ -146,17 +158,11 @@ def test_cuda_small_padded_batch_runs_without_a_plan(kind, left, dense, monkeypa
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, **kw)
         before, direct[:] = dict(rt.stats), []
-        with warnings.catch_warnings(record=True) as caught, caplog.at_level("WARNING", logger="ragged_compile"):
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode(1)
-            try:
-                out = model(input_ids=ids, attention_mask=mask, **kw)[0]
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+        with caplog.at_level("WARNING", logger="ragged_compile"):
+            out, syncs = _with_syncs(lambda: model(input_ids=ids, attention_mask=mask, **kw)[0])
         ran = {name: rt.stats[name] - before.get(name, 0) for name in ("varlen", "flashinfer", "plans")}
         model.set_attn_implementation("sdpa")
         want = model(input_ids=ids, attention_mask=mask, **kw)[0]
-    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
     assert "runs the model's own" not in caplog.text  # the route is not a fallback
     if dense:
         assert ran == {"varlen": 0, "flashinfer": 0, "plans": 0} and not syncs, (ran, syncs)
@@ -203,16 +209,10 @@ def test_cuda_full_rows_run_sdpa_without_the_mask(kind, monkeypatch):
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, **kw)
         before = dict(rt.stats)
-        with Count(OURS) as c, warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode(1)
-            try:
-                out = model(input_ids=ids, attention_mask=mask, **kw)[0]
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+        with Count(OURS) as c:
+            out, syncs = _with_syncs(lambda: model(input_ids=ids, attention_mask=mask, **kw)[0])
         model.set_attn_implementation("sdpa")
         want = model(input_ids=ids, attention_mask=mask, **kw)[0]
-    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
     assert len(syncs) <= 1, syncs
     if kind == "bert":
         assert c.n == 0

@@ -242,13 +242,19 @@ def replay(wrapper, q, k, v, lse: bool = False):
         or k.stride(-1) != 1 or v.stride(-1) != 1
     ):
         return None
-    out = torch.empty_like(q)
-    if not lse:
+    return _run_recorded(rec, q, k, v)
+
+
+def _run_recorded(rec: _Replay, q, k, v):
+    """The recorded call on fresh outputs: ``out`` (and, where it was recorded with
+    one, the ``[Tq, Hq]`` fp32 LSE)."""
+    out = torch.empty(q.shape[:-1] + (rec.out_dim,), dtype=rec.out_dtype, device=q.device)
+    if not rec.lse:
         _call(rec, (q, k, v, out))
         return out
-    row_lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
-    _call(rec, (q, k, v, out, row_lse))
-    return out, row_lse
+    lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
+    _call(rec, (q, k, v, out, lse))
+    return out, lse
 
 
 def _call(rec: _Replay, tensors: tuple) -> None:
@@ -263,13 +269,7 @@ def _replayed_run(wrapper, q, k, v, return_lse: bool):
     rec = getattr(wrapper, _REPLAY, None)
     plan_info = getattr(wrapper, "_plan_info", None)
     if rec is not None and rec.plan_info is plan_info and rec.lse == return_lse and plan_info is not None:
-        out = torch.empty(q.shape[:-1] + (rec.out_dim,), dtype=rec.out_dtype, device=q.device)
-        if not return_lse:
-            _call(rec, (q, k, v, out))
-            return out
-        lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
-        _call(rec, (q, k, v, out, lse))
-        return out, lse
+        return _run_recorded(rec, q, k, v)
     module = getattr(wrapper, "_cached_module", None)
     if module is None or plan_info is None or not hasattr(module, "ragged_run"):
         return wrapper.run(q, k, v, return_lse=return_lse, enable_pdl=_pdl(q.device.index))

@@ -848,6 +848,7 @@ def attention_forward(
             if not layout.ragged:
                 reason, layout = NOT_RAGGED, None
             elif (layout.full and query.is_cuda and window is None and not softcap and sinks is None
+                  and current_step() is None  # a step asked for plans (as _dense_padded)
                   and full_rows_kernel(hq, key.shape[1], sq, sk, causal) == "sdpa"):
                 # nothing is padded: the dense kernel, without the mask, as stock runs it
                 out = F.scaled_dot_product_attention(cast_q, cast_k, cast_v, dropout_p=dropout_p,

@@ -610,12 +610,24 @@ def _repeated_training(hit, q, k, v, cu_q, cu_k, causal: bool, scale: float) -> 
     """A training call that repeats an earlier one of its step (see
     steps.repeated_training_call). Where its forward is PyTorch's FlashAttention-2
     and its backward would be too, aten's forward runs under autograd, which then
-    runs aten's own FlashAttention-2 backward: the same kernels as
-    :class:`_EagerTraining`'s, with no Python in the backward (whose host time
-    decides small batches)."""
+    runs aten's own FlashAttention-2 backward: the kernels of
+    :class:`_EagerTraining`'s backward, with no Python in it (whose host time decides
+    small batches), under another autograd node that saves other tensors.
+
+    The backward kernel is chosen here, at the forward (the full path chooses in the
+    backward); a choice that raises (a forced backward that cannot run) takes the full
+    path, which raises in the backward as before. Under saved-tensor hooks the node
+    stays :class:`_EagerTraining`'s: non-reentrant activation checkpointing compares
+    what a forward saved with what its recompute saves, and a recompute (on
+    autograd's thread, outside the step) takes the full path."""
     work, slots = hit.work
-    if hit.slot is None and select.backward_kernel(q.device, q.dtype, q.shape[-1], work, (), slots) == "fa2":
-        return run_repeated_training(hit, q, k, v, cu_q, cu_k, causal, scale, lse=False)
+    if hit.slot is None and torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+        try:
+            both_fa2 = select.backward_kernel(q.device, q.dtype, q.shape[-1], work, (), slots) == "fa2"
+        except RuntimeError:
+            both_fa2 = False
+        if both_fa2:
+            return run_repeated_training(hit, q, k, v, cu_q, cu_k, causal, scale, lse=False)
     return _EagerTraining.apply(q, k, v, cu_q, cu_k, causal, scale, hit)
 
 

@@ -173,3 +173,13 @@ def test_replay_runs_only_the_recorded_call_of_the_current_plan(monkeypatch):
     assert fi.replay(w, q, k, v) is None  # re-planned: the recording is stale
     fi.run_with_lse(w, q, k, v)
     assert fi.replay(w, q, k, v) is None  # an LSE recording
+    # ... which replays for a call that wants the LSE (a training forward's later layers)
+    for seed in range(4, 6):
+        q, k, v = _qkv(seed)
+        out, lse = fi.replay(w, q, k, v, lse=True)
+        want_out, want_lse = _expected(q, k, v, 3.0, 0.25)
+        torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+        torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    assert fi.replay(w, qt, k, v, lse=True) is None
+    fi.run(w, q, k, v)  # recorded without the LSE again
+    assert fi.replay(w, q, k, v, lse=True) is None

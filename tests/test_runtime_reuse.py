@@ -560,6 +560,52 @@ def test_training_fast_path_on_flash_attention_2_replays_its_grid(fake_flashinfe
     assert rt.stats["varlen"] == 3 and rt.stats["plans"] == 0
 
 
+def test_repeated_training_call_takes_aten_s_node_only_where_it_is_the_full_path_s_twin(monkeypatch):
+    """ops._repeated_training: aten's FlashAttention-2 node for a repeat whose forward
+    and backward are FlashAttention-2's; the op's autograd function where the forward
+    is FlashInfer's, where the backward is another kernel, where choosing it raises
+    (a forced backward that cannot run: the backward raises, as on the full path),
+    and under saved-tensor hooks (non-reentrant checkpointing compares what a
+    forward and its recompute save, and the recompute takes the full path)."""
+    from types import SimpleNamespace
+
+    from ragged_compile import ops
+    from ragged_compile.backends import select
+
+    ran = []
+    monkeypatch.setattr(ops, "run_repeated_training", lambda *a, **kw: ran.append(("aten", kw)) or "aten")
+    monkeypatch.setattr(ops._EagerTraining, "apply", lambda *a: ran.append(("function", a[-1])) or "function")
+    choice = {"kernel": "fa2"}
+
+    def backward_kernel(device, dtype, head_dim, work, variant, slots):
+        assert (work, variant, slots) == (3.5, (), (2, 12, 12))
+        if choice["kernel"] == "raise":
+            raise RuntimeError("RAGGED_COMPILE_BACKWARD=fa4, but ...")
+        return choice["kernel"]
+
+    monkeypatch.setattr(select, "backward_kernel", backward_kernel)
+    q = torch.randn(12, 2, 8)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    fa2 = SimpleNamespace(slot=None, work=(3.5, (2, 12, 12)))
+
+    def run(hit):
+        ran.clear()
+        got = ops._repeated_training(hit, q, q, q, cu, cu, False, 0.3)
+        assert len(ran) == 1
+        return got
+
+    assert run(fa2) == "aten" and ran[0][1] == {"lse": False}
+    assert run(SimpleNamespace(slot=object(), work=fa2.work)) == "function"
+    choice["kernel"] = "fa4"
+    assert run(fa2) == "function"
+    choice["kernel"] = "raise"
+    assert run(fa2) == "function" and ran[0][1] is fa2
+    choice["kernel"] = "fa2"
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert run(fa2) == "function"
+    assert run(fa2) == "aten"
+
+
 def test_fast_path_ends_with_its_step_and_its_thread(fake_flashinfer):
     from ragged_compile.steps import fast_attention
 

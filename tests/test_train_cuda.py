@@ -171,6 +171,42 @@ def test_later_training_layers_repeat_the_first_layers_resolution_and_match(monk
     assert hits == [False, True, True, True, False, True, True], hits
 
 
+@pytest.mark.parametrize("backend", ["varlen", *_backends()])
+def test_layers_under_non_reentrant_checkpointing_train_as_without(monkeypatch, backend):
+    """Four layers sharing one offsets tensor, each under non-reentrant activation
+    checkpointing (transformers' default): their recompute runs in the backward,
+    outside the step, on the full path, so a repeat in the forward must have saved
+    what the full path saves (``ops._repeated_training``); the gradients are those
+    of the same layers without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa2")
+    lens = [64, 1, 0, 300, 17, 100]
+    cu = _cu(lens)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = [torch.randn(8 * 64, 8 * 64, device="cuda", generator=g, dtype=torch.bfloat16) * 0.05 for _ in range(4)]
+    x0 = torch.randn(sum(lens), 8 * 64, device="cuda", generator=g, dtype=torch.bfloat16)
+
+    def layer(x, wi):
+        q = (x @ wi).view(-1, 8, 64)
+        return x + rc.ragged_attention(q, q, q, cu, causal=True).flatten(1)
+
+    def run(ckpt):
+        x = x0.clone().requires_grad_()
+        ws = [t.clone().requires_grad_() for t in w]
+        h = x
+        with Runtime(backend=backend).step():
+            for wi in ws:
+                h = checkpoint(layer, h, wi, use_reentrant=False) if ckpt else layer(h, wi)
+        h.float().square().sum().backward()
+        return [x.grad, *(t.grad for t in ws)]
+
+    want = run(False)
+    got = run(True)
+    for a, b in zip(got, want):
+        assert _rel(a, b) < 2e-2
+
+
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 72, 128])

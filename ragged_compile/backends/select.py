@@ -639,9 +639,10 @@ def full_rows_kernel(hq: int, hkv: int, sq: int, sk: int, causal: bool) -> str:
     nothing (every row full): ``"sdpa"``, PyTorch's dense kernel without a mask, as
     stock transformers runs it (its mask function drops an all-ones mask). Dense
     rows of equal length are that kernel's own case; the op would only add its
-    layout (measured on the H200: BERT-large 32 x 512, 0.91x ``"sdpa"`` on the
-    op). ``"ragged"`` where the dense call would not be the same attention
-    (GQA, or causal with more keys than queries: SDPA aligns top-left)."""
+    layout (measured on the H200: on full BERT-large 32 x 512 rows the op ran at
+    0.91x the speed of ``"sdpa"``, this route at 0.98x). ``"ragged"`` where the
+    dense call would not be the same attention (GQA, or causal with unequal
+    query and key lengths: SDPA aligns top-left)."""
     if hq != hkv or (causal and sq != sk):
         return "ragged"
     return "sdpa"

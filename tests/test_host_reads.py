@@ -194,8 +194,8 @@ def test_mask_read_says_whether_it_pads_anything():
 def test_cuda_full_rows_run_sdpa_without_the_mask(kind, monkeypatch):
     """A batch whose mask pads nothing (every row full), too large for the small-batch
     route: SDPA without a mask, as stock's mask function makes it (no op call, no
-    plan), reading the mask once; the model's own ``"sdpa"`` output. The Llama here
-    is GQA (4 query, 2 key-value heads): it stays on the op."""
+    plan), reading the mask at most once; the model's own ``"sdpa"`` output. The
+    Llama here is GQA (4 query, 2 key-value heads): it stays on the op."""
     from ragged_compile.runtime import get_runtime
 
     rt = get_runtime(torch.device("cuda", torch.cuda.current_device()))

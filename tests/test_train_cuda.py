@@ -124,12 +124,13 @@ def test_gradients_match_float64_autograd(backward_kernel, backend, layout, caus
 
 @pytest.mark.parametrize("backend", ["auto", *_backends(), "varlen"])
 def test_later_training_layers_repeat_the_first_layers_resolution_and_match(monkeypatch, backward_kernel, backend):
-    """A training forward's layers after its first with the same offsets take
-    ``steps.repeated_training_call`` (no checks, layout or plan lookups: the first
-    call's resolution, FlashInfer's recorded kernel call or FlashAttention-2's grid),
-    and every layer's gradients still match float64 autograd; an in-place edit of
-    the offsets takes the full path, and a q that is not contiguous the replay
-    cannot take (FlashInfer's) runs the full path inside the autograd function."""
+    """A training forward's layers after its first with the same offsets resolve
+    through ``steps.repeated_training_call`` (the first call's resolution), and every
+    layer's gradients match float64 autograd, whichever kernels run: aten's
+    FlashAttention-2 node where both sides are FlashAttention-2's (checked by its
+    node), the op's autograd function otherwise. An in-place edit of the offsets is
+    not a repeat; a q that is not contiguous is (its forward then takes the full
+    path inside the autograd function where FlashInfer's replay refuses it)."""
     from ragged_compile import steps
 
     lens = [64, 1, 0, 300, 17, 100]

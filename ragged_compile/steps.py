@@ -340,15 +340,13 @@ def run_repeated_training(hit: _Resolved, q, k, v, cu_q, cu_k, causal: bool, sca
     call :func:`repeated_training_call` resolved; None where the recorded kernel
     call cannot be replayed (the caller takes the full path).
 
-    ``lse=False`` (FlashAttention-2's forward only): ``out`` alone, from aten's
-    forward called as it is, so that under grad mode autograd records aten's
-    own backward node (FlashAttention-2's backward, in C++)."""
+    ``lse=False``, for a FlashAttention-2 resolution (``hit.slot`` None) only:
+    ``out`` alone, from aten's forward called as it is, so that under grad mode
+    autograd records aten's own backward node (FlashAttention-2's backward, in C++)."""
     rt = hit.runtime
     if hit.slot is None:
         got = flash_backward.forward_unpadded(q, k, v, cu_q, cu_k, *hit.max_lens, causal, scale, lse=lse)
         rt.count("varlen")
-    elif not lse:
-        raise ValueError("a FlashInfer forward trains through the op's backward: replay it with its LSE")
     else:
         got = fi.replay(hit.slot.wrapper, q, k, v, lse=True)
         if got is None:

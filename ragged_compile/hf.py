@@ -15,8 +15,9 @@ What runs on ``ragged_compile::ragged_attention`` (one call per layer):
   The layout is device arithmetic of static shape, so it compiles. Eager on
   CUDA, a small non-causal batch (``select.padded_kernel``) runs SDPA with the
   key-padding mask instead, in inference and training, reading nothing to the
-  host (see ``_dense_padded``), and a mask read that pads nothing runs SDPA
-  without it, as stock does (``select.full_rows_kernel``);
+  host (see ``_dense_padded``), and rows that pad nothing (no mask, or a mask
+  read that pads nothing) run SDPA without a mask, as stock does
+  (``select.full_rows_kernel``);
 * packed batches: ``cu_seq_lens_q/k`` kwargs (``DataCollatorWithFlattening``),
   or ``position_ids`` restarts when there is no mask;
 * cross-attention with a key padding mask; decoding with a KV cache (our causal
@@ -847,13 +848,6 @@ def attention_forward(
             layout = _cached(attention_mask, (sq, aligned), build)
             if not layout.ragged:
                 reason, layout = NOT_RAGGED, None
-            elif (layout.full and query.is_cuda and window is None and not softcap and sinks is None
-                  and current_step() is None  # a step asked for plans (as _dense_padded)
-                  and full_rows_kernel(hq, key.shape[1], sq, sk, causal) == "sdpa"):
-                # nothing is padded: the dense kernel, without the mask, as stock runs it
-                out = F.scaled_dot_product_attention(cast_q, cast_k, cast_v, dropout_p=dropout_p,
-                                                     is_causal=causal, scale=scaling)
-                return out.transpose(1, 2).contiguous(), None
     elif attention_mask.dim() == 4 and not compiling:
         def build4():
             valid = _check_4d(attention_mask, b, sq, sk, causal)
@@ -867,6 +861,11 @@ def attention_forward(
         reason = COMPILED_4D_MASK
     else:
         reason = NOT_RAGGED
+    if reason is None and _dense_full(layout, query, key, causal, window, softcap, sinks, compiling):
+        # nothing is padded: the dense kernel, without a mask, as stock runs it
+        out = F.scaled_dot_product_attention(cast_q, cast_k, cast_v, dropout_p=dropout_p,
+                                             is_causal=causal, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
     window_size = (-1, -1)
     if reason is None and window is not None:
         # transformers' sliding_window W: a key within W - 1 positions (both sides if
@@ -911,6 +910,17 @@ def _dense_padded(query, key, value, attention_mask, causal, window, dropout_p, 
     if softcap or sinks is not None or current_step() is not None:
         return False
     return padded_kernel(b, sq, key.shape[2], hq, d, causal) == "sdpa"
+
+
+def _dense_full(layout, query, key, causal, window, softcap, sinks, compiling) -> bool:
+    """Whether a call runs :func:`select.full_rows_kernel`'s ``"sdpa"``: an eager CUDA
+    call on rows that pad nothing (no mask, or a 2-D mask read once per forward and
+    found full), no window, soft-cap or sinks, outside any runtime step."""
+    if compiling or layout is None or not (layout.full or layout.plain) or not query.is_cuda:
+        return False
+    if window is not None or softcap or sinks is not None or current_step() is not None:
+        return False
+    return full_rows_kernel(query.shape[1], key.shape[1], query.shape[2], key.shape[2], causal) == "sdpa"
 
 
 def _dense_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

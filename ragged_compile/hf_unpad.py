@@ -349,7 +349,8 @@ def _base_forward(state, orig, params, *args, **kwargs):
     ctx = call.pop(_CTX, None)
     return_dict = call.pop("return_dict", None)
     plan = _plan(state, call, ctx)
-    if plan is None:
+    if plan is None or "flat" not in plan:  # padded as given, or nothing padded
+        call = call if plan is None else plan["call"]
         return orig(**call) if return_dict is None else orig(**call, return_dict=return_dict)
     wants_tuple = _wants_tuple(state.base, return_dict)
     out = _scatter(state, orig(**plan["call"], return_dict=True), plan)
@@ -437,7 +438,9 @@ def _window(config) -> int | None:
 
 @torch.compiler.disable
 def _plan(state, call, ctx):
-    """The packed call, or None for the padded one. Runs eagerly (a graph break
+    """The packed call (``call``, ``flat``, ``valid``); an encoder's call without its
+    mask where no row is padded (``call`` alone); or None for the call as given.
+    Runs eagerly (a graph break
     under torch.compile): the one host read of the mask's lengths is here."""
     if any(call.get(k) is not None for k in _PACKED_KWARGS) or call.get("attention_mask") is None:
         return None  # packed already, or no padding: runs as given
@@ -460,7 +463,11 @@ def _plan(state, call, ctx):
         checks, label_checks = stats[3:3 + len(checks)], stats[3 + len(checks):len(flags)]
         lengths = stats[len(flags):]
         if total == b * s:
-            return None  # no padding: nothing to pack
+            # Nothing to pack. An encoder's all-ones mask says nothing either: the model
+            # runs without it, so its attention reads no mask again (transformers
+            # treats None as every key valid; hf.py runs dense SDPA on such rows, as
+            # stock does). A decoder keeps it: without it, it would read position_ids.
+            return None if state.family.causal else {"call": {**call, "attention_mask": None}}
         if not one_run:
             reason = "valid tokens are not one run per row"
         elif total == 0:

@@ -223,6 +223,39 @@ def test_cuda_full_rows_run_sdpa_without_the_mask(kind, monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("how", ["no mask", "unpadded"])
+def test_cuda_rows_without_padding_run_sdpa_without_a_mask(how, monkeypatch):
+    """BERT called without a mask, or unpadded (hf.unpad) with a mask that pads
+    nothing: SDPA without a mask as stock runs it, no op call, no plan, at most one
+    sync (unpadding's read of the mask); the model's own ``"sdpa"`` output."""
+    from ragged_compile import hf_unpad
+    from ragged_compile.backends import select
+    from ragged_compile.runtime import get_runtime
+
+    rt = get_runtime(torch.device("cuda", torch.cuda.current_device()))
+    model = _model("bert", "cuda").to(torch.bfloat16)
+    ids, mask = _batch([64] * 4, 64, device="cuda")
+    kw = {"input_ids": ids} if how == "no mask" else {"input_ids": ids, "attention_mask": mask}
+    monkeypatch.setattr(select, "_DENSE_MAX_FLOPS", 0)  # not the small-batch route
+    if how == "unpadded":
+        hf_unpad.unpad(model)
+    with torch.no_grad():
+        model(**kw)
+        before = dict(rt.stats)
+        with Count(OURS) as c:
+            out, syncs = _with_syncs(lambda: model(**kw)[0])
+        if how == "unpadded":
+            hf_unpad.unpad(model, enabled=False)
+        model.set_attn_implementation("sdpa")
+        want = model(**kw)[0]
+    assert len(syncs) <= (1 if how == "unpadded" else 0), syncs
+    assert c.n == 0
+    assert all(rt.stats.get(k, 0) == before.get(k, 0) for k in ("varlen", "flashinfer", "plans"))
+    torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("attention_dropout", [0.0, 0.1])
 def test_cuda_small_padded_training_runs_sdpa_with_the_mask(attention_dropout):
     """Training on a small padded batch takes the same route as inference: SDPA with

@@ -454,16 +454,35 @@ def test_idempotent_undo_and_attn_implementation():
         hf_unpad.unpad(torch.nn.Linear(2, 2))
 
 
-def test_no_padding_skips_packing(caplog):
+def test_no_padding_skips_packing(caplog, monkeypatch):
+    """Rows with nothing to remove run as the plain [B, S] call, silently. An encoder
+    runs it without its all-ones mask, so its attention reads no mask a second time
+    (on CUDA it then runs dense SDPA, as stock); a decoder keeps its mask (without
+    it, the layout would come from a read of position_ids)."""
+    reads = []
+    real = hf._read_padded_layout
+    monkeypatch.setattr(hf, "_read_padded_layout", lambda *a: reads.append(1) or real(*a))
     model = build("bert", "Model")
     kw = inputs("bert", [6, 6], 6)
     ref, out, rows = run_both(model, lambda m: m(**kw))
     with caplog.at_level(logging.WARNING, logger="ragged_compile"):
         hf_unpad.unpad(model)(**kw)
     assert rows == [12, 12] and "unpad" not in caplog.text  # the plain [B, S] call, said nothing
+    assert reads == []  # the attention got no mask
     compare(ref, out, kw["attention_mask"].bool())
+    hf_unpad.unpad(model, enabled=False)
+    model.set_attn_implementation(NAME)
+    model(**kw)
+    assert reads == [1]  # with our name alone it reads the mask (once per forward)
     out = model(input_ids=kw["input_ids"])  # no mask at all
     assert out.last_hidden_state.shape == (2, 6, 32)
+
+    decoder = build("llama", "Model")
+    kw = inputs("llama", [6, 6], 6)
+    reads.clear()
+    ref, out, rows = run_both(decoder, lambda m: m(**kw, use_cache=False))
+    assert rows == [12, 12] and reads == [1]
+    compare(ref, out, kw["attention_mask"].bool())
 
 
 def test_signature_positional_tuple_and_inputs():

@@ -21,7 +21,9 @@ Rows (``--only`` picks sections):
   forward ms and device-to-host syncs per forward.
 * ``train``: training steps (forward, backward, AdamW; attention dropout 0) of
   BERT-base 64 x 256 and BERT-large 32 x 512, ~50% padding: ``"sdpa"`` (cuDNN's
-  fused attention on Hopper) against ours, padded and unpadded, ms and syncs per step.
+  fused attention on Hopper) against ours, padded and unpadded, ms and syncs per
+  step, in rotating rounds, with fused AdamW (transformers' ``Trainer`` default)
+  and foreach AdamW (``torch.optim``'s).
 * ``graphs`` (not in the default ``--only``): CUDA graphs through ``hf.graphed``.
   BERT-base forward ms at 64 x 48, 64 x 128 and 16 x 512 (lengths L/2..L, each
   shape its own bucket) against ``"sdpa"`` eager, the graphed call given the
@@ -371,40 +373,48 @@ def _rounds(fns: dict, dev, target_s: float, rounds: int = 5) -> dict:
 
 
 def train_rows(dev, dtype, configs, target_s) -> list[dict]:
+    """Training steps of padded BERT encoders, ``"sdpa"`` / ours / ours unpadded (the
+    same weights), timed in rotating rounds, with each AdamW: ``fused`` (what
+    transformers' ``Trainer`` and sentence-transformers' trainer default to on torch
+    >= 2.8: ``optim="adamw_torch_fused"``) and ``foreach`` (``torch.optim.AdamW``'s
+    default). A host-bound step feels the optimizer's launches."""
     from ragged_compile import hf
 
     name = hf.register()
     rows = []
     for label, layers, hidden, heads, b, s in configs:
-        row = {"model": label, "batch": b, "length": s}
         ids, mask, lens = _padded_batch(b, s, dev, seed=1, low=0.0)
-        row["real_tokens"] = int(lens.sum())
-        for key in ("sdpa", "ours", "unpad"):
-            model = _bert(dev, dtype, layers, hidden, heads, "sdpa" if key == "sdpa" else name).train()
-            if key == "unpad":
-                hf.unpad(model)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        for optim in ("fused", "foreach"):
+            row = {"model": label, "batch": b, "length": s, "real_tokens": int(lens.sum()), "optim": optim}
+            steps = {}
+            for key in ("sdpa", "ours", "unpad"):
+                model = _bert(dev, dtype, layers, hidden, heads, "sdpa" if key == "sdpa" else name).train()
+                if key == "unpad":
+                    hf.unpad(model)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **{optim: True})
 
-            def step(m=model, o=opt):
-                out = m(input_ids=ids, attention_mask=mask).last_hidden_state
-                loss = (out.float() * mask[..., None]).pow(2).mean()
-                loss.backward()
-                o.step()
-                o.zero_grad(set_to_none=True)
+                def step(m=model, o=opt):
+                    out = m(input_ids=ids, attention_mask=mask).last_hidden_state
+                    loss = (out.float() * mask[..., None]).pow(2).mean()
+                    loss.backward()
+                    o.step()
+                    o.zero_grad(set_to_none=True)
 
-            r = time_fn(step, dev, warmup=3, min_reps=5, target_s=target_s)
-            with SyncCount(dev) as sc:
-                step()
-            row[key] = {"ms": r["ms"], "wall_ms": r["wall_ms"], "syncs_per_step": sc.n,
-                        "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None}
-            del model, opt
+                for _ in range(3):
+                    step()
+                with SyncCount(dev) as sc:
+                    step()
+                row[key] = {"syncs_per_step": sc.n}
+                steps[key] = step
+            for key, times in _rounds(steps, dev, target_s).items():
+                row[key].update(ms=median([t[0] for t in times]), wall_ms=median([t[1] for t in times]))
+            row["ours_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["ours"]["wall_ms"]
+            row["unpad_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["unpad"]["wall_ms"]
+            del steps, step, model, opt
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(dev)
-        row["ours_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["ours"]["wall_ms"]
-        row["unpad_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["unpad"]["wall_ms"]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 
@@ -560,12 +570,12 @@ def _markdown(res: dict) -> str:
                   f"max diff {e['ours_max_diff']:.1e} / {e['graphed_max_diff']:.1e}. Tokenizer: BertTokenizerFast "
                   f"over a synthetic vocabulary.", ""]
     if "train" in res:
-        lines += ["## Training step (forward, backward, AdamW), padded", "",
-                  "| model | batch x L | sdpa ms | ours ms | ours unpadded ms | ours / sdpa | unpadded / sdpa | syncs / step (sdpa, ours, unpadded) |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["## Training step (forward, backward, AdamW), padded, rotating rounds", "",
+                  "| model | batch x L | AdamW | sdpa ms | ours ms | ours unpadded ms | ours / sdpa | unpadded / sdpa | syncs / step (sdpa, ours, unpadded) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in res["train"]:
             lines.append(
-                f"| {r['model']} | {r['batch']} x {r['length']} | {r['sdpa']['wall_ms']:.1f} | {r['ours']['wall_ms']:.1f} | "
+                f"| {r['model']} | {r['batch']} x {r['length']} | {r.get('optim', 'foreach')} | {r['sdpa']['wall_ms']:.1f} | {r['ours']['wall_ms']:.1f} | "
                 f"{r['unpad']['wall_ms']:.1f} | {r['ours_over_sdpa_speed']:.2f}x | {r['unpad_over_sdpa_speed']:.2f}x | "
                 f"{r['sdpa']['syncs_per_step']}, {r['ours']['syncs_per_step']}, {r['unpad']['syncs_per_step']} |"
             )

@@ -17,7 +17,8 @@ BERT classifiers, side by side in one process (BERT encoders: ``bench_host.py``)
   BERT-base with attention (and hidden) dropout 0.1, batches of 32 (anchor,
   positive) pairs of sentences in random order (so padded to the longest of each
   batch), mean pooling, in-batch negatives loss (MultipleNegativesRankingLoss),
-  backward, AdamW: ``"sdpa"``, ours and ours unpadded; ms per step, 8 batches in turn.
+  backward, fused AdamW (its trainer's default): ``"sdpa"``, ours and ours
+  unpadded; ms per step, 8 batches in turn, in rotating rounds.
 * ``full``: rows with no padding at all (BERT-base 64 x 256, BERT-large 32 x 512):
   ``"sdpa"``, ours, ours unpadded, forward ms: what an unpadded model costs where
   there is nothing to remove.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import statistics
 import sys
 import tempfile
 import time
@@ -38,10 +40,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_host import _sentences  # noqa: E402
+from bench_host import _rounds, _sentences  # noqa: E402
 from env import environment  # noqa: E402
 from harness import model_cli  # noqa: E402
-from timing import sync, time_fn  # noqa: E402
+from timing import sync  # noqa: E402
 
 from ragged_compile import hf  # noqa: E402
 
@@ -57,12 +59,11 @@ def _left_padded(b, s, vocab, dev, seed=0):
 def _time_forwards(row: dict, models: dict, forward, dev, target_s) -> None:
     """Each model's forward ms into ``row`` (no grad), ours' speed and max |diff| against
     ``"sdpa"``, printed."""
-    outs = {}
     with torch.no_grad():
-        for key, m in models.items():
-            fn = lambda m=m: forward(m)  # noqa: E731
-            outs[key] = fn().float()
-            row[f"{key}_ms"] = time_fn(fn, dev, warmup=2, min_reps=5, target_s=target_s)["wall_ms"]
+        fns = {key: (lambda m=m: forward(m)) for key, m in models.items()}
+        outs = {key: fn().float() for key, fn in fns.items()}
+        for key, times in _rounds(fns, dev, target_s).items():  # rotating rounds: drift hits all alike
+            row[f"{key}_ms"] = statistics.median(t[1] for t in times)
     for key in ("ours", "unpad"):
         row[f"{key}_over_sdpa_speed"] = row["sdpa_ms"] / row[f"{key}_ms"]
         row[f"{key}_max_diff"] = (outs[key] - outs["sdpa"]).abs().max().item()
@@ -186,7 +187,9 @@ def st_train_rows(dev, dtype, smoke) -> list[dict]:
     for key, m in models.items():
         m.train()
         loss_fn = MultipleNegativesRankingLoss(m)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
+        # fused: the AdamW sentence-transformers' trainer (transformers' Trainer) runs by
+        # default on torch >= 2.8 (optim="adamw_torch_fused")
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True)
         feats = []
         for i in range(batches):
             chunk = texts[2 * pairs * i: 2 * pairs * (i + 1)]
@@ -207,9 +210,8 @@ def st_train_rows(dev, dtype, smoke) -> list[dict]:
     row = {"model": "bert-base", "pairs_per_batch": pairs, "dropout": 0.1,
            "real_fraction": sum(float(x["attention_mask"].float().mean()) for f in steps[0][2] for x in f)
            / (2 * batches)}
-    for key, step, _ in steps:
-        row[f"{key}_ms"] = time_fn(step, dev, warmup=2, min_reps=3 if smoke else 2 * batches,
-                                   target_s=0.05 if smoke else 2.0)["wall_ms"]
+    for key, times in _rounds({key: step for key, step, _ in steps}, dev, 0.05 if smoke else 4.0).items():
+        row[f"{key}_ms"] = statistics.median(t[1] for t in times)  # wall ms a step, median of rotating rounds
     for key in ("ours", "unpad"):
         row[f"{key}_over_sdpa_speed"] = row["sdpa_ms"] / row[f"{key}_ms"]
     print(json.dumps(row), flush=True)

@@ -250,6 +250,10 @@ def attention(
             check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
             has_variant = sinks is not None or bool(softcap) or tuple(window_size) != (-1, -1)
             dropout_p = check_dropout(dropout_p, has_variant)
+        if q.is_cuda and _undispatched(q, k, v):
+            out = _eager_dropout(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, float(dropout_p))
+            if out is not None:
+                return out
         args = (q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, float(dropout_p))
         return torch.ops.ragged_compile.ragged_attention_dropout(*args)[0]
     if sinks is not None or softcap or window_size[0] >= 0 or window_size[1] >= 0:
@@ -695,6 +699,22 @@ def _ragged_attention_dropout(
     # generator (torch.manual_seed reproduces them).
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
     return _reference_dropout(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p)
+
+
+def _eager_dropout(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p) -> torch.Tensor | None:
+    """The dropout pair's CUDA kernels for an eager call nothing intercepts (see
+    :func:`attention`): aten's FlashAttention-2 forward with dropout under autograd,
+    whose own backward node redraws the same mask from the rng state it saved, as
+    the pair's backward does, with no dispatcher or Python around either. None
+    where the pair must run (the reference kernel, or nothing to attend: the
+    kernel is not called there, so autograd would see no graph)."""
+    if select.dropout_kernel(q.device, q.dtype, q.shape[-1]) != "fa2":
+        return None
+    max_q, max_k = get_runtime(q.device).max_lens(q, k, cu_seqlens_q, cu_seqlens_k)
+    if not (max_q and max_k and q.shape[0] and k.shape[0]):
+        return None
+    return flash_backward.forward_dropout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale,
+                                          dropout_p)[0]
 
 
 def _reference_dropout(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p):

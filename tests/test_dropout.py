@@ -236,6 +236,44 @@ def test_cuda_gradients_are_exact_for_the_mask_flashattention2_drew(causal):
         torch.testing.assert_close(a.double().cpu(), b, rtol=5e-2, atol=5e-2)
 
 
+class _Watch(torch.utils._python_dispatch.TorchDispatchMode):
+    """Any dispatch mode: the op's eager shortcuts step aside for the dispatcher."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [64, 72])
+def test_cuda_eager_dropout_equals_the_dispatched_pair(d):
+    """An eager CUDA call with dropout runs aten's FlashAttention-2 under autograd (its
+    own backward node redraws the mask); the same call through the dispatcher runs
+    the op pair. Under one seed both draw the same mask (the same output, bit for
+    bit) and give the same gradients, at head dims FlashAttention-2 takes as they
+    are and ones it pads."""
+    lengths = [64, 0, 23, 1, 50]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(sum(lengths), 4, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    cu = _cu(lengths).cuda()
+    go = torch.randn(q.shape, device="cuda", generator=g, dtype=torch.bfloat16)
+
+    def run():
+        leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
+        torch.manual_seed(11)
+        out = rc.ragged_attention(*leaves, cu, causal=True, dropout_p=0.2)
+        return out, torch.autograd.grad(out, leaves, go)
+
+    eager = run()
+    if d == 64:
+        assert "FlashAttention" in eager[0].grad_fn.name(), eager[0].grad_fn.name()
+    with _Watch():
+        dispatched = run()
+    assert "FlashAttention" not in dispatched[0].grad_fn.name()
+    assert torch.equal(eager[0], dispatched[0])  # one mask
+    for a, b in zip(eager[1], dispatched[1]):  # FA2's backward adds dq up atomically: last bits vary
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+
+
 def test_njt_sdpa_dropout_runs_our_op_where_a_kernel_takes_it(monkeypatch):
     """NJT SDPA with dropout_p under enable(): our dropout op where select says a
     kernel takes it (FlashAttention-2 on CUDA; here forced, on the reference),

@@ -241,9 +241,10 @@ def attention(
     time than the kernel launch on small batches. ``checked``: the caller ran
     ``check_inputs`` (and ``check_variants``). Callers cast for autocast first
     (:func:`autocast_inputs`), as the checks need the cast dtypes. Variant calls
-    (``window_size``, ``softcap``, ``sinks``) and dropout (its own pair, which
-    draws the mask and hands the backward its state) always go through the
-    dispatcher.
+    (``window_size``, ``softcap``, ``sinks``) always go through the dispatcher;
+    dropout (its own pair, which draws the mask and hands the backward its state)
+    too, except where such an eager call runs FlashAttention-2 (see
+    :func:`_eager_dropout`).
     """
     if dropout_p:
         if not checked:

@@ -46,7 +46,7 @@ from env import environment  # noqa: E402
 from harness import model_cli  # noqa: E402
 from timing import sync  # noqa: E402
 
-from ragged_compile import hf  # noqa: E402
+from ragged_compile import hf, hf_unpad  # noqa: E402
 
 
 def _left_padded(b, s, vocab, dev, seed=0):
@@ -229,7 +229,17 @@ def st_train_rows(dev, dtype, smoke) -> list[dict]:
             row[f"{key}_ms"] = statistics.median(t[1] for t in times)  # wall ms a step, median of rotating rounds
     finally:
         logging.getLogger("ragged_compile").removeHandler(said)
-    row["fallbacks"] = said.lines  # what ragged_compile said while timing: a fallback would show here
+    # what ragged_compile said while timing (a message said earlier in the process
+    # would not show again)
+    row["fallbacks"] = said.lines
+    packed, real_pack = [], hf_unpad._pack
+    hf_unpad._pack = lambda *a: packed.append(1) or real_pack(*a)
+    try:
+        for _ in range(2):
+            {k: fn for k, fn, _ in steps}["unpad"]()
+    finally:
+        hf_unpad._pack = real_pack
+    row["unpadded_forwards_packed_of_4"] = len(packed)  # two steps, two forwards (anchors, positives) each
     for key in ("ours", "unpad"):
         row[f"{key}_over_sdpa_speed"] = row["sdpa_ms"] / row[f"{key}_ms"]
     print(json.dumps(row), flush=True)

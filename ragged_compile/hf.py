@@ -15,9 +15,9 @@ What runs on ``ragged_compile::ragged_attention`` (one call per layer):
   The layout is device arithmetic of static shape, so it compiles. Eager on
   CUDA, a small non-causal batch (``select.padded_kernel``) runs SDPA with the
   key-padding mask instead, in inference and training, reading nothing to the
-  host (see ``_dense_padded``), and rows that pad nothing (no mask, or a mask
-  read that pads nothing) run SDPA without a mask, as stock does
-  (``select.full_rows_kernel``);
+  host (see ``_dense_padded``), and rows that pad nothing (no mask and no
+  packing, or a mask read that pads nothing) run SDPA without a mask, as stock
+  does (``select.full_rows_kernel``);
 * packed batches: ``cu_seq_lens_q/k`` kwargs (``DataCollatorWithFlattening``),
   or ``position_ids`` restarts when there is no mask;
 * cross-attention with a key padding mask; decoding with a KV cache (our causal
@@ -899,28 +899,39 @@ def attention_forward(
 def _dense_padded(query, key, value, attention_mask, causal, window, dropout_p, softcap, sinks, compiling) -> bool:
     """Whether a call runs :func:`select.padded_kernel`'s ``"sdpa"``: an eager CUDA
     call, inference or training (its dropout is SDPA's, as stock's is), not
-    causal, on a 2-D key padding mask, no window, soft-cap or sinks, outside any
-    runtime step (a step asked for plans), and small. Not with GQA: SDPA's
+    causal, on a 2-D key padding mask, no window, soft-cap or sinks (see
+    :func:`_dense_may_run`), and small. Not with GQA: SDPA's
     ``enable_gqa`` with a mask leaves its fused kernels."""
     if compiling or attention_mask is None or attention_mask.dim() != 2 or causal or window is not None:
         return False
     b, hq, sq, d = query.shape
     if attention_mask.shape != (b, key.shape[2]) or key.shape[1] != hq or not query.is_cuda:
         return False
-    if softcap or sinks is not None or current_step() is not None:
+    if softcap or sinks is not None or not _dense_may_run():
         return False
     return padded_kernel(b, sq, key.shape[2], hq, d, causal) == "sdpa"
 
 
 def _dense_full(layout, query, key, causal, window, softcap, sinks, compiling) -> bool:
     """Whether a call runs :func:`select.full_rows_kernel`'s ``"sdpa"``: an eager CUDA
-    call on rows that pad nothing (no mask, or a 2-D mask read once per forward and
-    found full), no window, soft-cap or sinks, outside any runtime step."""
+    call on rows that pad nothing (no mask and no packing, or a 2-D mask read once
+    per forward and found full), no window, soft-cap or sinks (see
+    :func:`_dense_may_run`)."""
     if compiling or layout is None or not (layout.full or layout.plain) or not query.is_cuda:
         return False
-    if window is not None or softcap or sinks is not None or current_step() is not None:
+    if window is not None or softcap or sinks is not None or not _dense_may_run():
         return False
     return full_rows_kernel(query.shape[1], key.shape[1], query.shape[2], key.shape[2], causal) == "sdpa"
+
+
+def _dense_may_run() -> bool:
+    """Whether the dense SDPA routes may take a call: not inside a runtime step (a
+    step asked for plans; graph mode replays one capture across layouts), and not
+    under saved-tensor hooks. Non-reentrant checkpointing (transformers' default)
+    recomputes a layer under such hooks in the backward, where no step is active
+    (steps are per thread), and checks that the recompute saves what the forward
+    saved: the op both times, so a forward inside a step and its recompute agree."""
+    return current_step() is None and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
 def _dense_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

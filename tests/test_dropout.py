@@ -249,8 +249,7 @@ def test_cuda_eager_dropout_equals_the_dispatched_pair(d):
     """An eager CUDA call with dropout runs aten's FlashAttention-2 under autograd (its
     own backward node redraws the mask); the same call through the dispatcher runs
     the op pair. Under one seed both draw the same mask (the same output, bit for
-    bit) and give the same gradients, at head dims FlashAttention-2 takes as they
-    are and ones it pads."""
+    bit) and give the same gradients, at head dims 64 and 72."""
     lengths = [64, 0, 23, 1, 50]
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(sum(lengths), 4, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))

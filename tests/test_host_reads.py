@@ -308,3 +308,19 @@ def test_cuda_small_padded_training_runs_sdpa_with_the_mask(attention_dropout):
         torch.testing.assert_close(loss, want, atol=2e-2, rtol=2e-2)
         for n in want_grads:
             torch.testing.assert_close(grads[n], want_grads[n], atol=5e-2, rtol=5e-2, msg=lambda m: f"{n}: {m}")
+
+
+def test_dense_routes_step_aside_in_steps_and_under_saved_tensor_hooks():
+    """The dense SDPA routes (small padded batches, rows that pad nothing) take a call
+    only outside runtime steps and saved-tensor hooks: non-reentrant checkpointing
+    recomputes a layer under such hooks in the backward, where the forward's step is
+    not active, and the forward and its recompute must run the same kernel."""
+    from ragged_compile.runtime import get_runtime
+
+    assert hf._dense_may_run()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert not hf._dense_may_run()
+    assert hf._dense_may_run()
+    with get_runtime(torch.device("cpu")).step():
+        assert not hf._dense_may_run()
+    assert hf._dense_may_run()

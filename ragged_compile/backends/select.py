@@ -635,8 +635,9 @@ _DENSE_MAX_FLOPS = 2e10
 
 
 def full_rows_kernel(hq: int, hkv: int, sq: int, sk: int, causal: bool) -> str:
-    """How an eager call runs whose 2-D padding mask, read once per forward, pads
-    nothing (every row full): ``"sdpa"``, PyTorch's dense kernel without a mask, as
+    """How an eager call runs whose rows pad nothing (a 2-D padding mask, read once
+    per forward, with every row full, or no mask and no packing): ``"sdpa"``,
+    PyTorch's dense kernel without a mask, as
     stock transformers runs it (its mask function drops an all-ones mask). Dense
     rows of equal length are that kernel's own case; the op would only add its
     layout (measured on the H200: on full BERT-large 32 x 512 rows the op ran at

@@ -47,8 +47,10 @@ from env import environment
 from harness import DTYPE
 from layouts import LAYOUT_SPECS, Case, cu_seqlens, lengths_for
 from model import Encoder, values
+from ragged_compile.backends import select
 from ragged_compile.reference import dense_gradients
 from ragged_compile.runtime import Runtime
+from ragged_compile.steps import PlannedStep, activate
 from timing import sync, time_fn
 from variants import varlen_kwargs
 
@@ -217,6 +219,88 @@ def bench_backward_sweep(args, dev) -> list[dict]:
     return rows
 
 
+# -------------------------------------------------------------------------- forward sweep
+FWD_SWEEP_HEADS = ((16, 16, 128), (32, 8, 128), (16, 16, 64), (8, 8, 256))
+
+
+def bench_forward_sweep(args, dev) -> list[dict]:
+    """The training forward on FlashInfer's kernel (the runtime's ``auto``: its LSE
+    converted) against flash-attn-4's (``backend="fa4"``: isolation by recompute
+    included), alone and followed by flash-attn-4's backward; the FA4 kernel alone
+    (no isolation) beside them. One runtime step per column (planned once), the
+    columns interleaved over ``--rounds`` rounds."""
+    from ragged_compile.backends import fa4_forward
+
+    rows = []
+    heads = FWD_SWEEP_HEADS if not args.sweep_heads else [
+        tuple(int(x) for x in h.split("/")) for h in args.sweep_heads.split(",")]
+    for kind in SWEEP_KINDS:
+        for hq, hkv, d in heads:
+            for causal in (False, True):
+                c = Case(f"{kind}_{hq}_{hkv}_{d}", kind, hq, hkv, d, causal, dev=dev, smoke=args.smoke, seed=7)
+                q, k, v = (t.requires_grad_() for t in (c.q, c.k, c.v))
+                go = torch.randn_like(c.q)
+                pairs = sum(n * n for n in c.lens)
+                row = {"kind": kind, "hq": c.hq, "hkv": c.hkv, "d": d, "causal": causal, "segments": c.n,
+                       "tokens": c.total, "max_len": c.max_len, "pairs": pairs,
+                       "work": select.backward_work(c.hq, c.hkv, c.total, c.total, pairs, causal)}
+                cu32 = c.cu.to(torch.int32)
+                cols = {}
+                for label, backend in (("fi", "auto"), ("fa4", "fa4")):
+                    rt = Runtime(dev, backend=backend)
+                    step = PlannedStep(rt, [])  # one plan per column, re-entered per call
+
+                    def fwd(step=step):
+                        with activate(step):
+                            return rc.ragged_attention(q, k, v, c.cu, causal=causal)
+
+                    def fwd_bwd(step=step):
+                        with activate(step):
+                            return torch.autograd.grad(rc.ragged_attention(q, k, v, c.cu, causal=causal), (q, k, v), go)
+
+                    cols[f"{label}_fwd"] = (rt, step, fwd)
+                    cols[f"{label}_fwd_bwd"] = (rt, step, fwd_bwd)
+
+                def kernel_only():
+                    return fa4_forward._kernel(q.detach(), k.detach(), v.detach(), cu_seqlens_q=cu32,
+                                               cu_seqlens_k=cu32, max_seqlen_q=c.max_len, max_seqlen_k=c.max_len,
+                                               softmax_scale=c.scale, causal=causal, return_lse=True)[:2]
+
+                cols["fa4_kernel"] = (None, None, kernel_only)
+                times = {}
+                try:
+                    with backward("fa4"):
+                        for label, (rt, _, fn) in cols.items():
+                            fn()  # compile, plan
+                        for label, (rt, _, fn) in cols.items():
+                            if rt is not None:
+                                row[f"{label}_ran"] = rt.last_backend
+                        ref = cols["fi_fwd"][2]().detach()
+                        got = cols["fa4_fwd"][2]().detach()
+                        row["fa4_max_abs_diff_vs_fi"] = float((ref.float() - got.float()).abs().max())
+                        for _ in range(args.rounds):
+                            for label, (_, _, fn) in cols.items():
+                                times.setdefault(label, []).append(timed(fn, dev, args.reps, warmup=1)["ms"])
+                except Exception as e:  # noqa: BLE001 - record, keep going
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                finally:
+                    for label, (rt, step, _) in cols.items():
+                        if step is not None and label.endswith("_fwd"):
+                            rt._release(step)
+                for label, ts in times.items():
+                    row[f"{label}_ms"] = sorted(ts)[len(ts) // 2]
+                if "fi_fwd_ms" in row and "fa4_fwd_ms" in row:
+                    row["fa4_over_fi_fwd"] = row["fa4_fwd_ms"] / row["fi_fwd_ms"]
+                    row["fa4_over_fi_fwd_bwd"] = row["fa4_fwd_bwd_ms"] / row["fi_fwd_bwd_ms"]
+                    row["isolation_ms"] = row["fa4_fwd_ms"] - row["fa4_kernel_ms"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                del c, q, k, v, go, cols
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
 # -------------------------------------------------------------------------- end to end
 def e2e_setup(dev, smoke: bool, layout: str = "mixed") -> SimpleNamespace:
     """The training step's model (NJT form; ``varlen`` is its packed attention) and inputs,
@@ -332,6 +416,23 @@ def render(results: dict) -> str:
             lines.append(f"| {name} ({row['tokens']} tok, {row['hq']}/{row['hkv']} heads) | {c('ours')} | {c('ours_fa2')} | {c('ours_fa4')} | {c('ours_plan')} | "
                          f"{c('ours_fwd')} | {c('varlen_attn')} | {c('njt_sdpa')} | {f'{sp:.2f}x' if sp else '-'} |")
         lines.append("")
+    if "fwd_sweep" in results:
+        lines += ["## Forward sweep: the training forward on FlashInfer's kernel and on flash-attn-4's (ms, median "
+                  "of rotating rounds; FA4's backward after both)", "",
+                  "| layout | heads q/kv x d | causal | work | FlashInfer fwd | FA4 fwd | FA4 kernel alone | FA4 / FlashInfer "
+                  "fwd | FlashInfer fwd+bwd | FA4 fwd+bwd | FA4 / FlashInfer fwd+bwd |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+        def num2(x):
+            return "-" if x is None else f"{x:.3f}"
+
+        for r in results["fwd_sweep"]:
+            lines.append(f"| {r['kind']} ({r['segments']} x <= {r['max_len']}) | {r['hq']}/{r['hkv']} x {r['d']} | "
+                         f"{r['causal']} | {r['work']:.0f} | {num2(r.get('fi_fwd_ms'))} | {num2(r.get('fa4_fwd_ms'))} | "
+                         f"{num2(r.get('fa4_kernel_ms'))} | {num2(r.get('fa4_over_fi_fwd'))} | "
+                         f"{num2(r.get('fi_fwd_bwd_ms'))} | {num2(r.get('fa4_fwd_bwd_ms'))} | "
+                         f"{num2(r.get('fa4_over_fi_fwd_bwd'))} |" + (f" error: {r['error'][:100]}" if "error" in r else ""))
+        lines.append("")
     if "bwd_sweep" in results:
         lines += ["## Backward sweep: forward+backward ms with FA2's and FA4's backward", "",
                   "| layout | heads q/kv x d | causal | FA2 | FA4 (copies) | FA4 (fused pad) | FA4 (redo) | FA4 / FA2 | "
@@ -367,11 +468,12 @@ def render(results: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.path.join(HERE, "results"))
-    p.add_argument("--only", choices=["attn", "e2e", "bwd-sweep"], default=None)
+    p.add_argument("--only", choices=["attn", "e2e", "bwd-sweep", "fwd-sweep"], default=None)
     p.add_argument("--only-impl", nargs="*", default=None)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--e2e-reps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3, help="fwd-sweep: rotating rounds per row")
     p.add_argument("--e2e-layout", choices=["mixed", "vit"], default="mixed")
     p.add_argument("--sweep-heads", default="", help="the sweep's head shapes, e.g. 16/16/128,32/8/128 (default: all)")
     args = p.parse_args()
@@ -386,6 +488,8 @@ def main() -> None:
         results["e2e"] = bench_e2e(args, dev)
     if args.only == "bwd-sweep":  # not in the default run: ~100 rows
         results["bwd_sweep"] = bench_backward_sweep(args, dev)
+    if args.only == "fwd-sweep":  # not in the default run: 40 rows
+        results["fwd_sweep"] = bench_forward_sweep(args, dev)
     os.makedirs(args.out, exist_ok=True)
     suffix = ("" if args.only is None else f"-{args.only}") + ("" if args.e2e_layout == "mixed" else f"-{args.e2e_layout}")
     with open(os.path.join(args.out, f"train{suffix}.json"), "w") as f:

@@ -85,18 +85,22 @@ def _fuzzed(max_examples: int, **bounds):
     )
 
 
-@pytest.mark.parametrize("forward", ["fa2", "fa3", "varlen"])
+@pytest.mark.parametrize("forward", ["fa2", "fa3", "varlen", "fa4"])
 def test_gradients_match_float64_autograd(forward, monkeypatch):
     """Each training forward the default runtime may pick (FlashInfer's, whose LSE
-    is converted, or FlashAttention-2's, whose LSE the backward takes as it is),
-    forced for every example."""
+    is converted; FlashAttention-2's or flash-attn-4's, whose LSE the backward takes
+    as it is), forced for every example (flash-attn-4's where it takes the head dim)."""
+    from ragged_compile.backends import fa4_forward
     from ragged_compile.runtime import get_runtime
 
     if forward == "fa3" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("fa3 needs SM90")
-    rt = get_runtime(torch.device("cuda", torch.cuda.current_device()))
+    device = torch.device("cuda", torch.cuda.current_device())
+    if forward == "fa4" and fa4_forward.unsupported_reason(device, torch.bfloat16, 128) is not None:
+        pytest.skip(fa4_forward.unsupported_reason(device, torch.bfloat16, 128))
+    rt = get_runtime(device)
     monkeypatch.setattr(rt, "backend", forward)
-    kernel = "varlen" if forward == "varlen" else "flashinfer"
+    kernel = {"varlen": "varlen", "fa4": "fa4"}.get(forward, "flashinfer")
     before = rt.stats[kernel]
     ran = collections.Counter()
 
@@ -130,6 +134,7 @@ def test_gradients_match_float64_autograd(forward, monkeypatch):
         work = select.backward_work(case.hq, case.hkv, total_q, total_k, pairs, case.causal)
         slots = (len(case.q_lengths), total_q, total_k)
         ran["backward_" + select.backward_kernel(q.device, q.dtype, q.shape[-1], work, (), slots)] += 1
+        ran["forward_" + str(rt.last_backend)] += 1
         ran[str(case.dtype)] += 1
         ran[f"d{case.head_dim}"] += 1
         ran[f"gqa{case.hq // case.hkv}"] += 1
@@ -146,8 +151,9 @@ def test_gradients_match_float64_autograd(forward, monkeypatch):
     check()
     print(f"\nCUDA gradient fuzz: ran {ran['examples']} examples ({dict(ran)})")
     assert ran["examples"] >= min(MAX_EXAMPLES, len(EXAMPLES))
-    # the forced forward ran (layouts it cannot take, and those without work, do not)
-    assert rt.stats[kernel] - before >= ran["examples"] // 2
+    # the forced forward ran (layouts it cannot take, and those without work, do not;
+    # flash-attn-4's takes 4 of the 7 head dims)
+    assert rt.stats[kernel] - before >= ran["examples"] // (3 if forward == "fa4" else 2)
 
 
 VARIANT_EXAMPLES = int(os.environ.get("RAGGED_FUZZ_VARIANT_EXAMPLES", str(MAX_EXAMPLES)))

@@ -9,8 +9,9 @@ variable                      values                   read
 ``RAGGED_COMPILE_REFERENCE``  flag                     at every call: the op runs the reference
                                                        kernel on CPU instead of the fused CPU kernel.
 ``RAGGED_COMPILE_BACKEND``    ``auto``/``fa2``/``fa3``/  when a :class:`~ragged_compile.Runtime` is made
-                              ``varlen``               (the CUDA forward: FlashInfer's kernel
-                                                       family, or PyTorch's FlashAttention-2).
+                              ``varlen``/``fa4``       (the CUDA forward: FlashInfer's kernel
+                                                       family, PyTorch's FlashAttention-2, or
+                                                       flash-attn-4's for training calls).
 ``RAGGED_COMPILE_BACKWARD``   ``auto``/``fa2``/``fa4``   at every training backward on CUDA.
 ``RAGGED_COMPILE_FA4_PAD``    ``redo``/``fused``/      at every flash-attn-4 backward: how it
                              ``copies``               keeps segments independent. ``redo``:
@@ -40,7 +41,7 @@ BACKEND = "RAGGED_COMPILE_BACKEND"
 BACKWARD = "RAGGED_COMPILE_BACKWARD"
 FA4_PAD = "RAGGED_COMPILE_FA4_PAD"
 
-BACKENDS = ("auto", "fa2", "fa3", "varlen")
+BACKENDS = ("auto", "fa2", "fa3", "varlen", "fa4")
 BACKWARDS = ("auto", "fa2", "fa4")
 FA4_PADS = ("redo", "fused", "copies")
 

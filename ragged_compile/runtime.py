@@ -66,14 +66,17 @@ class Runtime:
             would cost more host time than FlashInfer saves, as on small
             batches; else FlashInfer's fa2 or fa3), ``"fa2"`` or ``"fa3"``
             (always FlashInfer), ``"varlen"`` (FlashAttention-2 wherever it
-            runs); default from ``RAGGED_COMPILE_BACKEND``, else auto.
+            runs), ``"fa4"`` (training forwards on flash-attn-4 wherever it
+            runs, :func:`backends.select.training_forward`; everything else as
+            auto); default from ``RAGGED_COMPILE_BACKEND``, else auto.
         workspace_bytes: FlashInfer float workspace per CUDA stream, shared by
             this runtime's wrappers on that stream (they run one after another).
 
     ``stats`` counts ``plans``, ``syncs`` (device-to-host reads of offsets),
     ``waits`` (a plan that had to wait for an earlier plan's copy),
     ``flashinfer``, ``varlen`` (PyTorch's FlashAttention-2 forward), ``fa2``
-    (the same kernel for windows), ``reference`` and (a CPU runtime's) ``cpu`` calls.
+    (the same kernel for windows), ``fa4`` (flash-attn-4's training forward),
+    ``reference`` and (a CPU runtime's) ``cpu`` calls.
 
     One runtime may serve many threads: steps are per thread, and a wrapper is
     planned by one step at a time. Wrappers used on different CUDA streams get
@@ -85,7 +88,7 @@ class Runtime:
         if backend is None:
             backend = config.choice(config.BACKEND, config.BACKENDS)
         if backend not in config.BACKENDS:
-            raise ValueError(f"backend must be 'auto', 'fa2', 'fa3' or 'varlen', got {backend!r}")
+            raise ValueError(f"backend must be one of {', '.join(map(repr, config.BACKENDS))}, got {backend!r}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -336,19 +339,30 @@ class Runtime:
         return slot
 
     def kernel(
-        self, step: PlannedStep, layout: HostLayout, hq: int, hkv: int, d: int, dtype: torch.dtype, causal: bool
+        self, step: PlannedStep, layout: HostLayout, hq: int, hkv: int, d: int, dtype: torch.dtype, causal: bool,
+        trains: bool = False,
     ) -> str:
-        """The kernel of a plain CUDA call on ``layout``: ``"varlen"`` (no plan) or
-        FlashInfer's ``"fa2"``/``"fa3"`` (:func:`backends.select.cuda_backend`),
+        """The kernel of a plain CUDA call on ``layout``: ``"varlen"`` (no plan),
+        FlashInfer's ``"fa2"``/``"fa3"`` (:func:`backends.select.cuda_backend`), or
+        for a training call ``"fa4"`` (:func:`backends.select.training_forward`),
         chosen once per layout, call shape and requested backend in ``step``."""
-        key = (layout.id, hq, hkv, d, dtype, causal, self.backend)
+        key = (layout.id, hq, hkv, d, dtype, causal, self.backend, trains)
         kernel = step.kernels.get(key)
         if kernel is None:
-            kernel = step.kernels[key] = select.cuda_backend(
-                self.backend, self.device, dtype, layout.n, layout.active, layout.active_k, layout.pairs,
-                hq=hq, hkv=hkv, head_dim=d, causal=causal, max_q=layout.max_lens[0], total_q=layout.total_q,
-            )
+            if trains:
+                work = select.backward_work(hq, hkv, layout.total_q, layout.total_k, layout.pairs, causal)
+                kernel = select.training_forward(
+                    self.backend, self.device, dtype, d, work, causal, (layout.n, layout.total_q, layout.total_k)
+                )
+            kernel = step.kernels[key] = kernel or self.plain_kernel(layout, hq, hkv, d, dtype, causal)
         return kernel
+
+    def plain_kernel(self, layout: HostLayout, hq: int, hkv: int, d: int, dtype: torch.dtype, causal: bool) -> str:
+        """:func:`backends.select.cuda_backend` for ``layout``, uncached."""
+        return select.cuda_backend(
+            self.backend, self.device, dtype, layout.n, layout.active, layout.active_k, layout.pairs,
+            hq=hq, hkv=hkv, head_dim=d, causal=causal, max_q=layout.max_lens[0], total_q=layout.total_q,
+        )
 
     def _acquire(self, step: PlannedStep, config: tuple) -> _Slot:
         """A wrapper of this config that no live step holds, whose last plan's

@@ -85,6 +85,11 @@ def disable(reason: str) -> None:
     _disabled = reason
 
 
+def disabled() -> bool:
+    """Whether :func:`disable` stopped FA4 in this process."""
+    return _disabled is not None
+
+
 def pads_little(segments: int, total_q: int, total_k: int) -> bool:
     """Whether padding each segment slot to a tile at most doubles the rows of either
     side. The padded buffers are sized on the host from the slot count (no sync),

@@ -17,7 +17,9 @@ CUDA kernel         :func:`cuda_backend`: ``"varlen"`` (PyTorch's FlashAttention
                     or ``"fa3"`` (:func:`flashinfer_backend`), from cost tables
                     measured on the H200
 training            :func:`trains_with_lse`: whether a grad-requiring call runs the LSE
-                    pair (a forward that saves its log-sum-exp for a fused backward)
+                    pair (a forward that saves its log-sum-exp for a fused backward);
+                    :func:`training_forward`: ``"fa4"`` where its CUDA forward is
+                    flash-attn-4's (fa4_forward.py)
 backward            :func:`backward_kernel`: ``"fa4"`` (flash-attn-4, SM90) or ``"fa2"``
                     (PyTorch's FlashAttention-2) on CUDA; the CPU kernel's or the
                     reference's own backward elsewhere
@@ -64,7 +66,7 @@ import torch
 from .. import config
 from ..logs import warn_once
 from ..validation import SUPPORTED_DTYPES
-from . import fa4_backward, flash_backward
+from . import fa4_backward, fa4_forward, flash_backward
 from . import flashinfer as fi
 
 __all__ = [
@@ -317,7 +319,7 @@ def flashinfer_backend(
     what fa3 can save per call; fa2 runs where that does not pay for fa3's
     costlier plan (``_FA3_EXTRA_PLAN_S``) over a forward's layers.
     """
-    if requested not in ("auto", "varlen"):
+    if requested not in ("auto", "varlen", "fa4"):
         return requested
     if not _is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
         return "fa2"
@@ -397,6 +399,8 @@ def cuda_backend(
     """
     if requested in ("fa2", "fa3"):
         return requested
+    if requested == "fa4":  # flash-attn-4 takes training forwards (training_forward): others as auto
+        requested = "auto"
     varlen_runs = (
         n <= flash_backward.MAX_SEGMENTS and not (max_q == 1 and hq > hkv and total_q != n)
         and flash_backward.unsupported_reason(device, dtype, head_dim) is None
@@ -549,12 +553,48 @@ def backward_kernel(
     return "fa2"
 
 
-def fa4_failed(err: Exception, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+# flash-attn-4's forward against FlashInfer's training forward (its LSE converted),
+# isolation included: see _FA4_FORWARD_MIN_WORK's measurement below.
+_FA4_FORWARD_MIN_WORK: tuple[tuple[int, float], ...] = ()
+
+
+def fa4_forward_pays(head_dim: int, work: float, causal: bool) -> bool:
+    """Whether flash-attn-4's forward, isolation included, beats FlashInfer's on a
+    training call of this head dim and :func:`backward_work`."""
+    return any(dim == head_dim and work >= t for dim, t in _FA4_FORWARD_MIN_WORK)
+
+
+def training_forward(
+    requested: str, device: torch.device, dtype: torch.dtype, head_dim: int, work: float, causal: bool,
+    slots: tuple[int, int, int],
+) -> str | None:
+    """``"fa4"`` where a plain training call's CUDA forward runs flash-attn-4's
+    (backends/fa4_forward.py), else None (FlashInfer's or FlashAttention-2's,
+    :func:`cuda_backend`). ``requested``: the runtime's backend; ``"fa4"`` takes
+    it wherever it runs, ``"auto"`` where its backward is flash-attn-4's too
+    (:func:`backward_kernel`: the pair shares the LSE as it is) and the forward
+    pays (:func:`fa4_forward_pays`)."""
+    if requested not in ("auto", "fa4") or device.type != "cuda":
+        return None
+    if requested == "auto":
+        if not fa4_forward_pays(head_dim, work, causal):
+            return None  # decided before anything imports flash-attn-4
+        try:
+            if backward_kernel(device, dtype, head_dim, work, (), slots) != "fa4":
+                return None
+        except RuntimeError:
+            return None  # a forced backward that cannot run raises in the backward, as before
+    return "fa4" if fa4_forward.unsupported_reason(device, dtype, head_dim) is None else None
+
+
+def fa4_failed(err: Exception, device: torch.device, dtype: torch.dtype, head_dim: int,
+               direction: str = "backward") -> None:
     """FA4's kernel raised (a JIT or launch failure of the pre-release): re-raise where
-    it was forced, else use FA2 for the rest of the process, with a WARNING."""
+    it was forced, else use FA2 (FlashInfer for the forward) for the rest of the
+    process, with a WARNING."""
     if config.choice(config.BACKWARD, config.BACKWARDS) == "fa4" or isinstance(err, torch.OutOfMemoryError):
         raise err
-    fa4_backward.disable(f"its backward failed ({type(err).__name__}: {str(err)[:300]})")
+    fa4_backward.disable(f"its {direction} failed ({type(err).__name__}: {str(err)[:300]})")
     _warn_fa4(fa4_backward.unsupported_reason(device, dtype, head_dim))
 
 

@@ -1,0 +1,73 @@
+"""flash-attn-4's varlen forward (CuTe DSL) as the training forward of the op on
+SM90 where it beats FlashInfer's (``select.training_forward``): its LSE is the one
+its backward takes, so none is converted.
+
+Contract of ``flash_attn.cute.interface._flash_attn_fwd`` (4.0.0b36, read from its
+source): q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]``, int32 offsets, host
+``max_seqlen_q/k``; returns ``out`` and, with ``return_lse``, an fp32 ``[Hq, Tq]``
+natural-log LSE, ``-inf`` for rows that see no key (ours: ``+inf``, converted
+here). GQA native, causal bottom-right aligned. Head dims as its backward's
+(fa4_backward.py): 64, 96, 128, 256.
+
+**Its key tiles read past a segment's end**, as its backward's do: the last key
+tile of segment i loads the first rows of segment i+1 and masks their scores, so
+their probabilities are exact zeros, and a NaN or Inf in those v rows (0 * NaN)
+reaches segment i's output; finite rows there change nothing. Segments stay
+independent by recompute: every query row whose window reaches the segment's
+last key tile reads it, and the segment's last row always does (causal or not),
+so a segment is contaminated only if its last row is non-finite. That row is
+checked (``n x Hq x D`` values, not the whole output) and flagged segments are
+computed again from their own rows (segment_forward.py), in place, with no sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import fa4_backward, segment_forward
+
+__all__ = ["unsupported_reason", "forward"]
+
+_HEAD_DIMS = (64, 96, 128, 256)  # its backward's verified head dims: one head-dim rule for the pair
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why FA4's forward cannot take this training call, or None."""
+    if head_dim not in _HEAD_DIMS:
+        return f"flash-attn-4's forward takes head dims {', '.join(map(str, _HEAD_DIMS))} here, got {head_dim}"
+    reason = fa4_backward.unsupported_reason(device, dtype, head_dim)
+    if reason is not None:
+        return reason
+    if not hasattr(fa4_backward._interface(), "_flash_attn_fwd"):
+        return "this flash-attn-4 lacks _flash_attn_fwd (verified with 4.0.0b36)"
+    return None
+
+
+def forward(q, k, v, cu_q, cu_k, causal: bool, scale: float, max_lens: tuple[int, int]):
+    """(out, lse) of ``ragged_attention(q, k, v, cu_q, cu_k, causal, scale)``, lse in
+    aten's layout (``[Hq, Tq]`` fp32, natural log, ``+inf`` for keyless rows);
+    ``max_lens``: the longest q and k segment (host ints). The caller checked
+    :func:`unsupported_reason` and that both sides hold tokens."""
+    cu_q32, cu_k32 = cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous()
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    out, lse = _kernel(
+        q, k, v, cu_seqlens_q=cu_q32, cu_seqlens_k=cu_k32, max_seqlen_q=max_lens[0], max_seqlen_k=max_lens[1],
+        softmax_scale=scale, causal=causal, return_lse=True,
+    )[:2]
+    lse.masked_fill_(lse == float("-inf"), float("inf"))
+    segment_forward.recompute(_contaminated(out, cu_q32), q, k, v, cu_q32, cu_k32, causal, scale, max_lens, out, lse)
+    return out, lse
+
+
+def _contaminated(out: torch.Tensor, cu_q: torch.Tensor) -> torch.Tensor:
+    """bool ``[n]``: the segments whose last output row holds a NaN or Inf (an empty
+    segment reads its predecessor's: at worst a needless recompute)."""
+    last = (cu_q[1:] - 1).clamp_min(0)
+    sums = out.index_select(0, last).flatten(1).sum(1, dtype=torch.float32)
+    return ~torch.isfinite(sums)
+
+
+def _kernel(*args, **kwargs):
+    # One seam for FA4: CPU tests put a model of its contract (the tile overrun
+    # included) here.
+    return fa4_backward._interface()._flash_attn_fwd(*args, **kwargs)

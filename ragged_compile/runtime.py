@@ -22,7 +22,7 @@ import torch
 
 from . import config
 from .backends import flashinfer as fi
-from .backends import select
+from .backends import fa4_backward, select
 from .backends.cpu import cpu_attention
 from .reference import reference_attention
 from .logs import warn_once
@@ -346,9 +346,12 @@ class Runtime:
         FlashInfer's ``"fa2"``/``"fa3"`` (:func:`backends.select.cuda_backend`), or
         for a training call ``"fa4"`` (:func:`backends.select.training_forward`),
         chosen once per layout, call shape and requested backend in ``step``."""
-        key = (layout.id, hq, hkv, d, dtype, causal, self.backend, trains)
+        # a training forward's choice follows the backward's (RAGGED_COMPILE_BACKWARD)
+        key = (layout.id, hq, hkv, d, dtype, causal, self.backend,
+               trains and config.choice(config.BACKWARD, config.BACKWARDS))
         kernel = step.kernels.get(key)
-        if kernel is None:
+        if kernel is None or (kernel == "fa4" and fa4_backward.disabled()):
+            kernel = None
             if trains:
                 work = select.backward_work(hq, hkv, layout.total_q, layout.total_k, layout.pairs, causal)
                 kernel = select.training_forward(

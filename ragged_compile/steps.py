@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .backends import fa4_backward, fa4_forward, flash_backward, select
+from .backends import fa4_forward, flash_backward, select
 from .backends import flashinfer as fi
 from .logs import warn_once
 from .reference import reference_attention
@@ -557,16 +557,16 @@ class PlannedStep(Step):
             lse = torch.full((q.shape[1], total_q), float("inf"), dtype=torch.float32, device=q.device)
             return q.new_zeros(q.shape), lse, lens
         kernel = rt.kernel(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, trains=trains)
-        if kernel == "fa4" and not fa4_backward.disabled():  # its LSE is its backward's as it is
-            rt.count("fa4")
-            rt.last_backend = "fa4"
+        if kernel == "fa4":  # its LSE is its backward's as it is
             try:
                 out, lse = fa4_forward.forward(q, k, v, cu_q, cu_k, causal, scale, max_lens)
+            except fa4_forward.KernelFailed as err:  # select decides: re-raise, or no FA4 from now on
+                select.fa4_failed(err, q.device, q.dtype, q.shape[-1], "forward", forced=rt.backend == "fa4")
+                kernel = rt.kernel(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, trains=trains)
+            else:
+                rt.count("fa4")
+                rt.last_backend = "fa4"
                 return out, lse, lens
-            except Exception as err:  # noqa: BLE001 - select decides: re-raise, or no FA4 from now on
-                select.fa4_failed(err, q.device, q.dtype, q.shape[-1], "forward")
-        if kernel == "fa4":
-            kernel = rt.plain_kernel(layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal)
         if kernel == "varlen":
             # its LSE is already the backward's (no conversion); varlen runs only
             # within FlashAttention-2's segment limit, so on the call's own offsets

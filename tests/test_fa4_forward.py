@@ -28,7 +28,8 @@ def fa4_fwd_contract(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     """FA4's varlen forward as it computes: a segment's key tiles are whole tiles of
     k/v from its start (rows past its end included, zeros past the tensor's end),
     their scores masked to -inf, so P is exactly 0 there and P @ V multiplies those
-    rows by zero. Rows that see no key: output 0, LSE -inf."""
+    rows by zero. Rows that see no key: output 0 (times the key tile before the
+    segment's first key, which such a query tile still runs), LSE -inf."""
     for t in (q, k, v, cu_seqlens_q, cu_seqlens_k):
         assert t.is_contiguous()
     assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and return_lse
@@ -56,7 +57,10 @@ def fa4_fwd_contract(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         P = torch.exp(S - torch.where(seen, m, 0.0))
         l = P.sum(-1, keepdim=True)
         o = torch.einsum("hqk,khd->qhd", P / torch.where(seen, l, 1.0), V)
-        out[sq : sq + lq] = torch.where(seen.permute(1, 0, 2), o, 0.0)
+        # a query tile with no key runs the tile before the segment's keys: 0 * those rows
+        before = _rows(v, max(sk - TILE_N, 0), min(sk, TILE_N)).to(f).repeat_interleave(group, 1)
+        nothing = torch.einsum("k,khd->hd", torch.zeros(before.shape[0], dtype=f), before)
+        out[sq : sq + lq] = torch.where(seen.permute(1, 0, 2), o, nothing[None])
         lse[:, sq : sq + lq] = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), -math.inf)[..., 0].float()
     return out.to(q.dtype), lse, None, None, None
 
@@ -114,8 +118,9 @@ def test_output_and_lse_match_the_reference(fa4, lq, lk, causal, hq, hkv):
     # rows that see no key: +inf, the backward's convention (the kernel gives -inf)
     assert torch.equal(torch.isinf(lse), torch.isinf(want)) and bool((lse[torch.isinf(lse)] > 0).all())
     torch.testing.assert_close(lse[torch.isfinite(want)], want[torch.isfinite(want)], rtol=1e-5, atol=1e-5)
-    (flags,) = fa4  # finite data: nothing to redo
-    assert flags.shape == (len(lq),) and not flags.any()
+    (flags,) = fa4  # finite data: only segments with rows that see no key are redone
+    keyless = [a > 0 and (b == 0 or (causal and a > b)) for a, b in zip(lq, lk)]
+    assert flags.tolist() == keyless
 
 
 def _poisoned(q, k, v, cq, ck, where, poison, seg):
@@ -146,7 +151,9 @@ def test_a_non_finite_segment_keeps_to_itself(fa4, where, poison, causal, seg):
         torch.testing.assert_close(lse[:, rows], want_lse[:, rows], rtol=1e-5, atol=1e-5)
     (flags,) = fa4
     redone = set(flags.nonzero().flatten().tolist())
-    assert redone <= {seg - 1, seg}  # at most the poisoned segment and the one whose tile reads it
+    # at most the poisoned segment, the one whose tile reads it, and those with keyless rows
+    keyless = {i for i, (a, b) in enumerate(zip(lq, lk)) if a > 0 and (b == 0 or (causal and a > b))}
+    assert redone <= {seg - 1, seg} | keyless
 
 
 @pytest.mark.parametrize("seg", range(5))
@@ -162,6 +169,43 @@ def test_each_segment_of_a_cross_layout_with_empty_segments_is_isolated(fa4, seg
             torch.testing.assert_close(out[rows], want[rows], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("lq,lk,causal", [
+    ([10, 12], [8, 3], True),  # segment 1's first 9 rows see no key
+    ([4, 5], [6, 0], False),  # segment 1 has no key at all
+    ([4, 5], [6, 0], True),
+])
+def test_rows_that_see_no_key_do_not_read_the_segment_before(fa4, lq, lk, causal):
+    q, k, v, cq, ck = _case(lq, lk)
+    want = reference_attention(q, k, v, cq, ck, causal, 0.3)
+    fa4.clear()
+    out, lse = _forward(*_poisoned(q, k, v, cq, ck, "v", math.nan, 0), cq, ck, causal)
+    torch.testing.assert_close(out[lq[0]:], want[lq[0]:], rtol=1e-6, atol=1e-7)
+    want_lse = reference_lse(q, k, cq, ck, causal, 0.3).float()[:, lq[0]:]
+    assert torch.equal(lse[:, lq[0]:].isinf(), want_lse.isinf())
+    (flags,) = fa4
+    assert bool(flags[1])
+
+
+def _nan_stays_nan(device, dtype, tol):
+    """The recompute decides which rows see a key from the layout, not from the sum of
+    their probabilities: a NaN key makes exactly the rows that see it NaN, as the
+    reference does (no row turns into a keyless zero)."""
+    q, k, v, cq, ck = (t.to(device) for t in _case([7, 5], [7, 5], d=16))
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    k[2] = math.nan
+    want = reference_attention(q.double(), k.double(), v.double(), cq, ck, True, 0.3)
+    out = torch.full_like(q, 7.0)
+    lse = torch.full((q.shape[1], q.shape[0]), -7.0, dtype=torch.float32, device=device)
+    segment_forward.recompute(torch.tensor([True, True], device=device), q, k, v, cq, ck, True, 0.3, (7, 5), out, lse)
+    assert torch.equal(torch.isnan(out), torch.isnan(want)) and bool(torch.isnan(out[2:7]).all())
+    fin = torch.isfinite(want)
+    assert (out[fin].double() - want[fin]).abs().max().item() <= tol
+
+
+def test_a_nan_in_a_recomputed_segment_stays_nan():
+    _nan_stays_nan("cpu", torch.float64, 1e-9)
+
+
 def test_without_the_recompute_the_contract_model_leaks(fa4, monkeypatch):
     """The isolation tests above can fail: with nothing flagged, the model leaks."""
     monkeypatch.setattr(fa4_forward, "_contaminated", lambda out, cu: torch.zeros(cu.numel() - 1, dtype=torch.bool))
@@ -170,6 +214,15 @@ def test_without_the_recompute_the_contract_model_leaks(fa4, monkeypatch):
     v[8:] = math.nan
     out, _ = _forward(q, k, v, cq, ck, False)
     assert not torch.isfinite(out[:6]).all()
+
+
+def test_without_flagging_keyless_rows_the_contract_model_leaks(fa4, monkeypatch):
+    monkeypatch.setattr(fa4_forward, "_reads_before", lambda cq, ck, causal: torch.zeros(cq.numel() - 1, dtype=torch.bool))
+    q, k, v, cq, ck = _case([10, 12], [8, 3])
+    v = v.clone()
+    v[:8] = math.nan
+    out, _ = _forward(q, k, v, cq, ck, True)
+    assert not torch.isfinite(out[10:19]).all() and torch.isfinite(out[19:]).all()
 
 
 # -- the recompute kernel ----------------------------------------------------------------
@@ -234,12 +287,13 @@ _CHILD = textwrap.dedent(
     """
     import sys, torch
     sys.path.insert(0, {tests!r})
-    from test_fa4_forward import CASES, _check
+    from test_fa4_forward import CASES, _check, _nan_stays_nan
     from ragged_compile.backends import segment_backward
     segment_backward._kernels_run = lambda device: True
     for lq, lk, hq, hkv, d, causal in CASES:
         for flags in ([True] * len(lq), [i % 2 == 1 for i in range(len(lq))]):
             _check(lq, lk, hq, hkv, d, causal, torch.float16, flags, "cpu", 2e-2)
+    _nan_stays_nan("cpu", torch.float16, 2e-2)
     print("checked", len(CASES))
     """
 )
@@ -261,6 +315,12 @@ def test_cuda_the_triton_kernel_matches_the_reference(case, dtype):
     lq, lk, hq, hkv, d, causal = case
     _check(lq, lk, hq, hkv, d, causal, dtype, [True] * len(lq), "cuda", 3e-2)
     _check(lq, lk, hq, hkv, d, causal, dtype, [i % 2 == 1 for i in range(len(lq))], "cuda", 3e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_a_nan_in_a_recomputed_segment_stays_nan():
+    _nan_stays_nan("cuda", torch.bfloat16, 3e-2)
 
 
 # -- the choice --------------------------------------------------------------------------

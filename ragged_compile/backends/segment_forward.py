@@ -51,7 +51,7 @@ def _on_host(flags, q, k, v, cu_q, cu_k, causal, scale, out, lse) -> None:
 
 def _launch(flags, q, k, v, cu_q, cu_k, causal, scale, max_lens, out, lse) -> None:
     triton = segment_backward.triton
-    if q.dtype not in (torch.float16, torch.bfloat16):
+    if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"the recompute kernels take float16/bfloat16 on CUDA (tl.dot of float32 is TF32), got {q.dtype}")
     n = cu_q.numel() - 1
     tq, hq, d = q.shape
@@ -91,7 +91,10 @@ if segment_backward.triton is not None:
             m = tl.full([BM], float("-inf"), dtype=tl.float32)
             l = tl.zeros([BM], dtype=tl.float32)
             acc = tl.zeros([BM, BD], dtype=tl.float32)
-            for n0 in range(0, lk, BN):
+            hi = lk
+            if CAUSAL:  # the keys of the block's last row (bottom-right aligned)
+                hi = tl.minimum(tl.maximum(m0 + BM + lk - lq, 0), lk)
+            for n0 in range(0, hi, BN):
                 rn = n0 + tl.arange(0, BN)
                 s = tl.dot(q, tl.trans(_block(K, k0, rn, lk, rd, hkv, hk, d))) * scale
                 valid = (rm[:, None] < lq) & (rn[None, :] < lk)
@@ -107,7 +110,10 @@ if segment_backward.triton is not None:
                 v = _block(V, k0, rn, lk, rd, hkv, hk, d)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m = m_new
-            seen = l > 0
+            # which rows see a key, from the layout (not from l: a NaN must stay NaN)
+            seen = (rm < lq) & (lk > 0)
+            if CAUSAL:
+                seen = seen & (rm + lk - lq >= 0)
             o = tl.where(seen[:, None], acc / tl.where(seen, l, 1.0)[:, None], 0.0)
             _store(O, o, q0, rm, lq, rd, hq, h, d)
             lse = tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("inf"))

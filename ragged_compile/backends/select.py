@@ -588,11 +588,12 @@ def training_forward(
 
 
 def fa4_failed(err: Exception, device: torch.device, dtype: torch.dtype, head_dim: int,
-               direction: str = "backward") -> None:
+               direction: str = "backward", forced: bool = False) -> None:
     """FA4's kernel raised (a JIT or launch failure of the pre-release): re-raise where
-    it was forced, else use FA2 (FlashInfer for the forward) for the rest of the
-    process, with a WARNING."""
-    if config.choice(config.BACKWARD, config.BACKWARDS) == "fa4" or isinstance(err, torch.OutOfMemoryError):
+    it was forced (``forced``: the forward by the runtime's backend), else use FA2
+    (FlashInfer or FA2 for the forward) for the rest of the process, with a WARNING."""
+    oom = isinstance(err, torch.OutOfMemoryError) or isinstance(err.__cause__, torch.OutOfMemoryError)
+    if forced or config.choice(config.BACKWARD, config.BACKWARDS) == "fa4" or oom:
         raise err
     fa4_backward.disable(f"its {direction} failed ({type(err).__name__}: {str(err)[:300]})")
     _warn_fa4(fa4_backward.unsupported_reason(device, dtype, head_dim))

@@ -462,3 +462,18 @@ def test_cuda_a_non_finite_segment_keeps_to_itself(where, poison, causal, hq, hk
         x[where][int(host[seg]) : int(host[seg + 1])] = poison
         out, lse = fa4_forward.forward(x["q"], x["k"], x["v"], cq, ck, causal, scale, (max(lq), max(lq)))
         _assert_close_segments(out, lse, want, want_lse, host, skip=(seg,))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("lq,lk,causal", [([10, 300], [200, 20], True), ([64, 200], [300, 0], False)])
+def test_cuda_rows_that_see_no_key_do_not_read_the_segment_before(lq, lk, causal):
+    """Whole query tiles that see no key (causal Lq - Lk past a tile; Lk == 0) run the
+    key tile before the segment: a NaN there stays out of the segment."""
+    dev = _cuda_fa4()
+    q, k, v, cq, ck = _cuda_case(lq, lk, 4, 4, 128, torch.bfloat16, dev)
+    want = reference_attention(q.double(), k.double(), v.double(), cq, ck, causal, 0.1)
+    want_lse = reference_lse(q.double(), k.double(), cq, ck, causal, 0.1)
+    v = v.clone()
+    v[: lk[0]] = math.nan
+    out, lse = fa4_forward.forward(q, k, v, cq, ck, causal, 0.1, (max(lq), max(lk)))
+    _assert_close_segments(out, lse, want, want_lse, cq.cpu(), skip=(0,))

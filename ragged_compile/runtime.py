@@ -355,7 +355,7 @@ class Runtime:
             if trains:
                 work = select.backward_work(hq, hkv, layout.total_q, layout.total_k, layout.pairs, causal)
                 kernel = select.training_forward(
-                    self.backend, self.device, dtype, d, work, causal, (layout.n, layout.total_q, layout.total_k)
+                    self.backend, self.device, dtype, d, work, (layout.n, layout.total_q, layout.total_k)
                 )
             kernel = step.kernels[key] = kernel or self.plain_kernel(layout, hq, hkv, d, dtype, causal)
         return kernel

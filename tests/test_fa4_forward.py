@@ -9,15 +9,11 @@ itself runs in tests/test_train_cuda.py and the gradient fuzz on the GPU.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
 from ragged_compile.backends import fa4_backward, fa4_forward, segment_forward, select
+from _triton_interpreter import run_checks
 from ragged_compile.reference import reference_attention, reference_lse
 
 TILE_N = 5  # an odd key tile, so tiles end inside segments nearly everywhere
@@ -283,28 +279,19 @@ def test_the_host_path_recomputes_only_the_flagged_segments():
         _check(lq, lk, hq, hkv, d, causal, torch.float64, [i % 2 == 0 for i in range(len(lq))], "cpu", 1e-9)
 
 
-_CHILD = textwrap.dedent(
-    """
-    import sys, torch
-    sys.path.insert(0, {tests!r})
-    from test_fa4_forward import CASES, _check, _nan_stays_nan
-    from ragged_compile.backends import segment_backward
-    segment_backward._kernels_run = lambda device: True
-    for lq, lk, hq, hkv, d, causal in CASES:
-        for flags in ([True] * len(lq), [i % 2 == 1 for i in range(len(lq))]):
-            _check(lq, lk, hq, hkv, d, causal, torch.float16, flags, "cpu", 2e-2)
-    _nan_stays_nan("cpu", torch.float16, 2e-2)
-    print("checked", len(CASES))
-    """
-)
+_CHILD = """
+import torch
+from test_fa4_forward import CASES, _check, _nan_stays_nan
+for lq, lk, hq, hkv, d, causal in CASES:
+    for flags in ([True] * len(lq), [i % 2 == 1 for i in range(len(lq))]):
+        _check(lq, lk, hq, hkv, d, causal, torch.float16, flags, "cpu", 2e-2)
+_nan_stays_nan("cpu", torch.float16, 2e-2)
+print("checked", len(CASES))
+"""
 
 
 def test_the_triton_kernel_matches_the_reference_under_tritons_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = _CHILD.format(tests=os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and f"checked {len(CASES)}" in done.stdout, done.stderr[-3000:]
+    run_checks(_CHILD, f"checked {len(CASES)}")
 
 
 @pytest.mark.cuda
@@ -333,20 +320,20 @@ def test_the_training_forward_choice(monkeypatch):
     monkeypatch.setattr(fa4_backward, "unsupported_reason", lambda *a: None)
     monkeypatch.delenv("RAGGED_COMPILE_BACKWARD", raising=False)
     # forced: wherever it runs, whatever the work
-    assert select.training_forward("fa4", cuda, torch.bfloat16, 128, 0.0, False, slots) == "fa4"
-    assert select.training_forward("fa4", cpu, torch.bfloat16, 128, 1e9, False, slots) is None
+    assert select.training_forward("fa4", cuda, torch.bfloat16, 128, 0.0, slots) == "fa4"
+    assert select.training_forward("fa4", cpu, torch.bfloat16, 128, 1e9, slots) is None
     for other in ("fa2", "fa3", "varlen"):
-        assert select.training_forward(other, cuda, torch.bfloat16, 128, 1e9, False, slots) is None
+        assert select.training_forward(other, cuda, torch.bfloat16, 128, 1e9, slots) is None
     # auto: only where the forward pays and the backward is FA4's too
-    monkeypatch.setattr(select, "fa4_forward_pays", lambda d, work, causal: work >= 1000)
-    assert select.training_forward("auto", cuda, torch.bfloat16, 128, 2000.0, False, slots) == "fa4"
-    assert select.training_forward("auto", cuda, torch.bfloat16, 128, 500.0, False, slots) is None
+    monkeypatch.setattr(select, "fa4_forward_pays", lambda d, work: work >= 1000)
+    assert select.training_forward("auto", cuda, torch.bfloat16, 128, 2000.0, slots) == "fa4"
+    assert select.training_forward("auto", cuda, torch.bfloat16, 128, 500.0, slots) is None
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa2")
-    assert select.training_forward("auto", cuda, torch.bfloat16, 128, 2000.0, False, slots) is None
+    assert select.training_forward("auto", cuda, torch.bfloat16, 128, 2000.0, slots) is None
     monkeypatch.setattr(fa4_forward, "unsupported_reason", lambda *a: "not here")
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
-    assert select.training_forward("fa4", cuda, torch.bfloat16, 128, 0.0, False, slots) is None
-    assert select.training_forward("auto", cuda, torch.bfloat16, 128, 2000.0, False, slots) is None
+    assert select.training_forward("fa4", cuda, torch.bfloat16, 128, 0.0, slots) is None
+    assert select.training_forward("auto", cuda, torch.bfloat16, 128, 2000.0, slots) is None
 
 
 def test_unsupported_reasons_name_the_limit(monkeypatch):

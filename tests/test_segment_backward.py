@@ -7,15 +7,11 @@ set before Triton is imported) and compiled on CUDA; the host path on the CPU.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
 from ragged_compile.backends import segment_backward
+from _triton_interpreter import run_checks
 from ragged_compile.reference import reference_attention, reference_attention_backward, reference_lse
 
 # (q lengths, k lengths, hq, hkv, head dim, causal): empty and one-token segments,
@@ -75,28 +71,19 @@ def test_the_host_path_recomputes_only_the_flagged_segments():
         _check(lq, lk, hq, hkv, d, causal, torch.float64, flags, "cpu", 1e-9)
 
 
-_CHILD = textwrap.dedent(
-    """
-    import sys, torch
-    sys.path.insert(0, {tests!r})
-    from test_segment_backward import CASES, _check
-    from ragged_compile.backends import segment_backward
-    segment_backward._kernels_run = lambda device: True
-    for lq, lk, hq, hkv, d, causal in CASES:
-        for flags in ([True] * len(lq), [i % 2 == 1 for i in range(len(lq))]):
-            _check(lq, lk, hq, hkv, d, causal, torch.float32, flags, "cpu", 1e-4)
-        _check(lq, lk, hq, hkv, d, causal, torch.float16, [True] * len(lq), "cpu", 2e-2)
-    print("checked", len(CASES))
-    """
-)
+_CHILD = """
+import torch
+from test_segment_backward import CASES, _check
+for lq, lk, hq, hkv, d, causal in CASES:
+    for flags in ([True] * len(lq), [i % 2 == 1 for i in range(len(lq))]):
+        _check(lq, lk, hq, hkv, d, causal, torch.float32, flags, "cpu", 1e-4)
+    _check(lq, lk, hq, hkv, d, causal, torch.float16, [True] * len(lq), "cpu", 2e-2)
+print("checked", len(CASES))
+"""
 
 
 def test_the_triton_kernels_match_the_reference_under_tritons_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = _CHILD.format(tests=os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and f"checked {len(CASES)}" in done.stdout, done.stderr[-3000:]
+    run_checks(_CHILD, f"checked {len(CASES)}")
 
 
 @pytest.mark.cuda

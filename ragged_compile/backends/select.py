@@ -553,19 +553,29 @@ def backward_kernel(
     return "fa2"
 
 
-# flash-attn-4's forward against FlashInfer's training forward (its LSE converted),
-# isolation included: see _FA4_FORWARD_MIN_WORK's measurement below.
-_FA4_FORWARD_MIN_WORK: tuple[tuple[int, float], ...] = ()
+# flash-attn-4's forward (isolation by recompute included) against FlashInfer's training
+# forward (its LSE converted), H200, bf16, ~31-34k tokens, short / ViT / mid / mixed /
+# long layouts x causal x heads 16/16 x 128, 32/8 x 128, 16/16 x 64, 8/8 x 256
+# (bench/results/train-fwd-sweep.json, the forward alone, FA4's time over FlashInfer's).
+# Its kernel is as fast as FlashInfer's fa3 up to mixed layouts and faster only on
+# long segments at head dim 256 (0.86 / 0.91 on 4 x 8192, causal or not; 1.04 / 1.50 on
+# 16 x <= 4096), while its Python interface and the isolation's launches cost ~1 ms of
+# host time a call, which shows wherever a call has less GPU work than that (3-8x on the
+# short, ViT and mid layouts). At head dims 64 and 128 no monotone rule in the work finds
+# a win: 0.97 (16/16 x 128) and 1.05 (32/8 x 128) on 4 x 8192 without causal, 1.01 and
+# 0.95 causal. So FA4's forward from this work on, at head dim 256 only (between the
+# mixed row, 2,900, and the long one, 4,096):
+_FA4_FORWARD_MIN_WORK = ((256, 3500.0),)
 
 
-def fa4_forward_pays(head_dim: int, work: float, causal: bool) -> bool:
+def fa4_forward_pays(head_dim: int, work: float) -> bool:
     """Whether flash-attn-4's forward, isolation included, beats FlashInfer's on a
     training call of this head dim and :func:`backward_work`."""
     return any(dim == head_dim and work >= t for dim, t in _FA4_FORWARD_MIN_WORK)
 
 
 def training_forward(
-    requested: str, device: torch.device, dtype: torch.dtype, head_dim: int, work: float, causal: bool,
+    requested: str, device: torch.device, dtype: torch.dtype, head_dim: int, work: float,
     slots: tuple[int, int, int],
 ) -> str | None:
     """``"fa4"`` where a plain training call's CUDA forward runs flash-attn-4's
@@ -577,7 +587,7 @@ def training_forward(
     if requested not in ("auto", "fa4") or device.type != "cuda":
         return None
     if requested == "auto":
-        if not fa4_forward_pays(head_dim, work, causal):
+        if not fa4_forward_pays(head_dim, work):
             return None  # decided before anything imports flash-attn-4
         try:
             if backward_kernel(device, dtype, head_dim, work, (), slots) != "fa4":

@@ -37,6 +37,7 @@ import json
 import os
 import time
 import traceback
+from unittest import mock
 from types import SimpleNamespace
 
 import torch
@@ -249,13 +250,16 @@ def bench_forward_sweep(args, dev) -> list[dict]:
                 for label, backend in (("fi", "auto"), ("fa4", "fa4")):
                     rt = Runtime(dev, backend=backend)
                     step = PlannedStep(rt, [])  # one plan per column, re-entered per call
+                    # the "fi" column: auto's kernels with FA4's forward left out
+                    plain = mock.patch.object(select, "training_forward", lambda *a, **kw: None) if label == "fi" \
+                        else contextlib.nullcontext()
 
-                    def fwd(step=step):
-                        with activate(step):
+                    def fwd(step=step, plain=plain):
+                        with activate(step), plain:
                             return rc.ragged_attention(q, k, v, c.cu, causal=causal)
 
-                    def fwd_bwd(step=step):
-                        with activate(step):
+                    def fwd_bwd(step=step, plain=plain):
+                        with activate(step), plain:
                             return torch.autograd.grad(rc.ragged_attention(q, k, v, c.cu, causal=causal), (q, k, v), go)
 
                     cols[f"{label}_fwd"] = (rt, step, fwd)
@@ -275,6 +279,8 @@ def bench_forward_sweep(args, dev) -> list[dict]:
                         for label, (rt, _, fn) in cols.items():
                             if rt is not None:
                                 row[f"{label}_ran"] = rt.last_backend
+                        if dev.type == "cuda":  # each column ran the forward it names
+                            assert row["fi_fwd_ran"] != "fa4" and row["fa4_fwd_ran"] == "fa4", row
                         ref = cols["fi_fwd"][2]().detach()
                         got = cols["fa4_fwd"][2]().detach()
                         row["fa4_max_abs_diff_vs_fi"] = float((ref.float() - got.float()).abs().max())

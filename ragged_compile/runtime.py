@@ -353,9 +353,9 @@ class Runtime:
         if kernel is None or (kernel == "fa4" and fa4_backward.disabled()):
             kernel = None
             if trains:
-                work = select.backward_work(hq, hkv, layout.total_q, layout.total_k, layout.pairs, causal)
                 kernel = select.training_forward(
-                    self.backend, self.device, dtype, d, work, (layout.n, layout.total_q, layout.total_k)
+                    self.backend, self.device, dtype, d, hq, hkv, layout.pairs, causal,
+                    (layout.n, layout.total_q, layout.total_k),
                 )
             kernel = step.kernels[key] = kernel or self.plain_kernel(layout, hq, hkv, d, dtype, causal)
         return kernel

@@ -302,16 +302,28 @@ FWD_ROWS = [r for r in json.loads((SWEEP.parent / "train-fwd-sweep.json").read_t
 _NOT_FITTED = {("long", 32, 8, 128, True)}
 
 
+def _auto_forward(row, monkeypatch) -> str:
+    from ragged_compile.backends import fa4_backward, fa4_forward
+
+    monkeypatch.delenv("RAGGED_COMPILE_BACKWARD", raising=False)
+    monkeypatch.delenv("RAGGED_COMPILE_FA4_PAD", raising=False)
+    monkeypatch.setattr(fa4_backward, "unsupported_reason", lambda *a: None)  # installed, SM90
+    monkeypatch.setattr(fa4_forward, "unsupported_reason", lambda *a: None)
+    slots = (row["segments"], row["tokens"], row["tokens"])
+    got = select.training_forward("auto", torch.device("cuda", 0), torch.bfloat16, row["d"], row["hq"], row["hkv"],
+                                  row["pairs"], row["causal"], slots)
+    return got or "fi"
+
+
 @pytest.mark.parametrize("row", FWD_ROWS, ids=_bwd_name)
-def test_auto_training_forward_is_within_3_percent_of_the_faster_kernel(row):
-    pick = "fa4" if select.fa4_forward_pays(row["d"], row["work"]) else "fi"
+def test_auto_training_forward_is_within_3_percent_of_the_faster_kernel(row, monkeypatch):
+    pick = _auto_forward(row, monkeypatch)
     ms = {"fi": row["fi_fwd_ms"], "fa4": row["fa4_fwd_ms"]}
     key = (row["kind"], row["hq"], row["hkv"], row["d"], row["causal"])
     assert ms[pick] <= (1.06 if key in _NOT_FITTED else 1.03) * min(ms.values()), (pick, row)
 
 
-def test_the_forward_sweep_has_rows_the_rule_sends_either_way():
+def test_the_forward_sweep_has_rows_the_rule_sends_either_way(monkeypatch):
     assert {r["kind"] for r in FWD_ROWS} >= {"short", "vit", "mid", "mixed", "long"}
     assert {r["d"] for r in FWD_ROWS} >= {64, 128, 256} and {r["causal"] for r in FWD_ROWS} == {False, True}
-    picks = {select.fa4_forward_pays(r["d"], r["work"]) for r in FWD_ROWS}
-    assert picks == {True, False}
+    assert {_auto_forward(r, monkeypatch) for r in FWD_ROWS} == {"fa4", "fi"}

@@ -315,25 +315,36 @@ def test_cuda_a_nan_in_a_recomputed_segment_stays_nan():
 
 def test_the_training_forward_choice(monkeypatch):
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    slots = (16, 34043, 34043)
+    tokens = 34043
+
+    def choice(requested, device, work, hq=16, hkv=16, causal=False):
+        # ``work`` key pairs per query row (halved when causal)
+        pairs = int(work * tokens * (2 if causal else 1))
+        return select.training_forward(requested, device, torch.bfloat16, 128, hq, hkv, pairs, causal,
+                                       (16, tokens, tokens))
+
     monkeypatch.setattr(fa4_forward, "unsupported_reason", lambda *a: None)
     monkeypatch.setattr(fa4_backward, "unsupported_reason", lambda *a: None)
     monkeypatch.delenv("RAGGED_COMPILE_BACKWARD", raising=False)
     # forced: wherever it runs, whatever the work
-    assert select.training_forward("fa4", cuda, torch.bfloat16, 128, 0.0, slots) == "fa4"
-    assert select.training_forward("fa4", cpu, torch.bfloat16, 128, 1e9, slots) is None
+    assert choice("fa4", cuda, 0.0) == "fa4"
+    assert choice("fa4", cpu, 1e6) is None
     for other in ("fa2", "fa3", "varlen"):
-        assert select.training_forward(other, cuda, torch.bfloat16, 128, 1e9, slots) is None
+        assert choice(other, cuda, 1e6) is None
     # auto: only where the forward pays and the backward is FA4's too
     monkeypatch.setattr(select, "fa4_forward_pays", lambda d, work: work >= 1000)
-    assert select.training_forward("auto", cuda, torch.bfloat16, 128, 2000.0, slots) == "fa4"
-    assert select.training_forward("auto", cuda, torch.bfloat16, 128, 500.0, slots) is None
+    assert choice("auto", cuda, 2000.0) == "fa4"
+    assert choice("auto", cuda, 2000.0, causal=True) == "fa4"
+    assert choice("auto", cuda, 1500.0, causal=True) == "fa4"  # 3,000 pairs a row, halved
+    assert choice("auto", cuda, 500.0) is None
+    # GQA leaves the forward's work per row as it is
+    assert choice("auto", cuda, 500.0, hq=32, hkv=4) is None
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "fa2")
-    assert select.training_forward("auto", cuda, torch.bfloat16, 128, 2000.0, slots) is None
+    assert choice("auto", cuda, 2000.0) is None
     monkeypatch.setattr(fa4_forward, "unsupported_reason", lambda *a: "not here")
     monkeypatch.setenv("RAGGED_COMPILE_BACKWARD", "auto")
-    assert select.training_forward("fa4", cuda, torch.bfloat16, 128, 0.0, slots) is None
-    assert select.training_forward("auto", cuda, torch.bfloat16, 128, 2000.0, slots) is None
+    assert choice("fa4", cuda, 0.0) is None
+    assert choice("auto", cuda, 2000.0) is None
 
 
 def test_unsupported_reasons_name_the_limit(monkeypatch):

@@ -55,7 +55,7 @@ def _launch(flags, q, k, v, cu_q, cu_k, causal, scale, max_lens, out, lse) -> No
         raise ValueError(f"the recompute kernels take float16/bfloat16 on CUDA (tl.dot of float32 is TF32), got {q.dtype}")
     n = cu_q.numel() - 1
     tq, hq, d = q.shape
-    tk, hkv = k.shape[0], k.shape[1]
+    hkv = k.shape[1]
     if n == 0 or tq == 0 or max_lens[0] == 0:
         return
     block, bd, warps = segment_backward._blocks(d, triton)

@@ -554,41 +554,52 @@ def backward_kernel(
 
 
 # flash-attn-4's forward (isolation by recompute included) against FlashInfer's training
-# forward (its LSE converted), H200, bf16, ~31-34k tokens, short / ViT / mid / mixed /
+# forward (its LSE converted), H200, bf16, ~29-34k tokens, short / ViT / mid / mixed /
 # long layouts x causal x heads 16/16 x 128, 32/8 x 128, 16/16 x 64, 8/8 x 256
 # (bench/results/train-fwd-sweep.json, the forward alone, FA4's time over FlashInfer's).
-# Its kernel is as fast as FlashInfer's fa3 up to mixed layouts and faster only on
-# long segments at head dim 256 (0.86 / 0.91 on 4 x 8192, causal or not; 1.04 / 1.50 on
-# 16 x <= 4096), while its Python interface and the isolation's launches cost ~1 ms of
-# host time a call, which shows wherever a call has less GPU work than that (3-8x on the
-# short, ViT and mid layouts). At head dims 64 and 128 no monotone rule in the work finds
-# a win: 0.97 (16/16 x 128) and 1.05 (32/8 x 128) on 4 x 8192 without causal, 1.01 and
-# 0.95 causal. So FA4's forward from this work on, at head dim 256 only (between the
-# mixed row, 2,900, and the long one, 4,096):
+# Its kernel alone is about FlashInfer's fa3 on the ViT, mid and mixed layouts and
+# faster only on long segments at head dim 256 (0.86 / 0.91 on 4 x 8192, causal or not;
+# 1.04 / 1.50 on 16 x <= 4096), while its Python interface and the isolation's launches
+# cost ~1 ms of host time a call, which shows wherever a call has less GPU work than
+# that (1.3-8x on the short, ViT and mid layouts). At head dims 64 and 128 no rule
+# monotone in the work finds a win on long segments: 0.97 (16/16 x 128) and 1.05
+# (32/8 x 128) without causal, 1.01 and 0.95 causal, 1.00 and 1.34 at 16/16 x 64. So FA4's
+# forward at head dim 256 only, from this many key pairs per query row (halved when
+# causal: :func:`forward_work`; GQA does not change the forward's per-row work), between
+# the mixed rows (2,900) and the long ones (4,096):
 _FA4_FORWARD_MIN_WORK = ((256, 3500.0),)
+
+
+def forward_work(total_q: int, pairs: int, causal: bool) -> float:
+    """Key pairs per query row and head (``pairs``: the layout's ``sum(Lq * Lk)``),
+    halved when causal: what :func:`fa4_forward_pays` weighs."""
+    return pairs / max(total_q, 1) * (0.5 if causal else 1.0)
 
 
 def fa4_forward_pays(head_dim: int, work: float) -> bool:
     """Whether flash-attn-4's forward, isolation included, beats FlashInfer's on a
-    training call of this head dim and :func:`backward_work`."""
+    training call of this head dim and :func:`forward_work`."""
     return any(dim == head_dim and work >= t for dim, t in _FA4_FORWARD_MIN_WORK)
 
 
 def training_forward(
-    requested: str, device: torch.device, dtype: torch.dtype, head_dim: int, work: float,
-    slots: tuple[int, int, int],
+    requested: str, device: torch.device, dtype: torch.dtype, head_dim: int, hq: int, hkv: int, pairs: int,
+    causal: bool, slots: tuple[int, int, int],
 ) -> str | None:
     """``"fa4"`` where a plain training call's CUDA forward runs flash-attn-4's
     (backends/fa4_forward.py), else None (FlashInfer's or FlashAttention-2's,
     :func:`cuda_backend`). ``requested``: the runtime's backend; ``"fa4"`` takes
-    it wherever it runs, ``"auto"`` where its backward is flash-attn-4's too
-    (:func:`backward_kernel`: the pair shares the LSE as it is) and the forward
-    pays (:func:`fa4_forward_pays`)."""
+    it wherever it runs, ``"auto"`` where the forward pays
+    (:func:`fa4_forward_pays`) and its backward is flash-attn-4's too
+    (:func:`backward_kernel`: the pair shares the LSE as it is). ``pairs``: the
+    layout's query-key pairs per head; ``slots``: (segment slots, total q, total k)."""
     if requested not in ("auto", "fa4") or device.type != "cuda":
         return None
     if requested == "auto":
-        if not fa4_forward_pays(head_dim, work):
+        _, total_q, total_k = slots
+        if not fa4_forward_pays(head_dim, forward_work(total_q, pairs, causal)):
             return None  # decided before anything imports flash-attn-4
+        work = backward_work(hq, hkv, total_q, total_k, pairs, causal)
         try:
             if backward_kernel(device, dtype, head_dim, work, (), slots) != "fa4":
                 return None

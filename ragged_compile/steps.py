@@ -218,6 +218,8 @@ class HostLayout:
         active = (lens_q > 0) & (lens_k > 0)
         self.active, self.active_k = int(active.sum()), int(lens_k[active].sum())
         self.pairs = int((lens_q * lens_k).sum())  # query-key pairs per head: the work
+        # whether some query row sees no key, without / with causal (bottom-right)
+        self.keyless_rows = (bool(((lens_q > 0) & (lens_k == 0)).any()), bool((lens_q > lens_k).any()))
         self._device_cu: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._fa2_cu: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # see fa2_offsets
 
@@ -559,7 +561,8 @@ class PlannedStep(Step):
         kernel = rt.kernel(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, trains=trains)
         if kernel == "fa4":  # its LSE is its backward's as it is
             try:
-                out, lse = fa4_forward.forward(q, k, v, cu_q, cu_k, causal, scale, max_lens)
+                out, lse = fa4_forward.forward(q, k, v, cu_q, cu_k, causal, scale, max_lens,
+                                               layout.keyless_rows[causal])
             except fa4_forward.KernelFailed as err:  # select decides: re-raise, or no FA4 from now on
                 select.fa4_failed(err, q.device, q.dtype, q.shape[-1], "forward", forced=rt.backend == "fa4")
                 kernel = rt.kernel(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, trains=trains)

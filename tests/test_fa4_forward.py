@@ -91,9 +91,9 @@ def _case(lq, lk, hq=4, hkv=2, d=8, seed=0):
     return q, k, v, cq, ck
 
 
-def _forward(q, k, v, cq, ck, causal, scale=0.3):
+def _forward(q, k, v, cq, ck, causal, scale=0.3, keyless_rows=True):
     lens = (int((cq[1:] - cq[:-1]).max()), int((ck[1:] - ck[:-1]).max()))
-    return fa4_forward.forward(q, k, v, cq, ck, causal, scale, lens)
+    return fa4_forward.forward(q, k, v, cq, ck, causal, scale, lens, keyless_rows)
 
 
 LAYOUTS = [
@@ -475,3 +475,22 @@ def test_cuda_rows_that_see_no_key_do_not_read_the_segment_before(lq, lk, causal
     v[: lk[0]] = math.nan
     out, lse = fa4_forward.forward(q, k, v, cq, ck, causal, 0.1, (max(lq), max(lk)))
     _assert_close_segments(out, lse, want, want_lse, cq.cpu(), skip=(0,))
+
+
+@pytest.mark.parametrize("lq,lk", LAYOUTS)
+def test_the_host_layout_says_which_layouts_have_keyless_rows(fa4, lq, lk):
+    """The runtime passes the host layout's answer: where it says no row is keyless,
+    looking on the device is skipped, and nothing else is flagged."""
+    from ragged_compile.steps import HostLayout
+
+    cq, ck = (torch.tensor([0] + x).cumsum(0).int() for x in (lq, lk))
+    layout = HostLayout(cq, ck)
+    for causal in (False, True):
+        want = bool(fa4_forward._reads_before(cq, ck, causal).any())
+        assert layout.keyless_rows[causal] == want
+        q, k, v, _, _ = _case(lq, lk)
+        fa4.clear()
+        out, _ = _forward(q, k, v, cq, ck, causal, keyless_rows=layout.keyless_rows[causal])
+        torch.testing.assert_close(out, reference_attention(q, k, v, cq, ck, causal, 0.3), rtol=1e-6, atol=1e-7)
+        (flags,) = fa4
+        assert bool(flags.any()) == want

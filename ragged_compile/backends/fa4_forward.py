@@ -38,13 +38,12 @@ __all__ = ["unsupported_reason", "forward", "KernelFailed"]
 class KernelFailed(RuntimeError):
     """FA4's forward kernel raised (a JIT or launch failure of the pre-release)."""
 
-_HEAD_DIMS = (64, 96, 128, 256)  # its backward's verified head dims: one head-dim rule for the pair
-
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why FA4's forward cannot take this training call, or None."""
-    if head_dim not in _HEAD_DIMS:
-        return f"flash-attn-4's forward takes head dims {', '.join(map(str, _HEAD_DIMS))} here, got {head_dim}"
+    dims = fa4_backward._HEAD_DIMS  # its backward's verified head dims: one rule for the pair
+    if head_dim not in dims:
+        return f"flash-attn-4's forward takes head dims {', '.join(map(str, dims))} here, got {head_dim}"
     reason = fa4_backward.unsupported_reason(device, dtype, head_dim)
     if reason is not None:
         return reason
@@ -55,11 +54,13 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) 
     return None
 
 
-def forward(q, k, v, cu_q, cu_k, causal: bool, scale: float, max_lens: tuple[int, int]):
+def forward(q, k, v, cu_q, cu_k, causal: bool, scale: float, max_lens: tuple[int, int], keyless_rows: bool = True):
     """(out, lse) of ``ragged_attention(q, k, v, cu_q, cu_k, causal, scale)``, lse in
     aten's layout (``[Hq, Tq]`` fp32, natural log, ``+inf`` for keyless rows);
-    ``max_lens``: the longest q and k segment (host ints). The caller checked
-    :func:`unsupported_reason` and that both sides hold tokens."""
+    ``max_lens``: the longest q and k segment (host ints); ``keyless_rows``: whether
+    any query row sees no key (the host layout knows: False skips looking for them on
+    the device). The caller checked :func:`unsupported_reason` and that both sides
+    hold tokens."""
     cu_q32, cu_k32 = cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous()
     q, k, v = (t.contiguous() for t in (q, k, v))
     try:
@@ -72,7 +73,9 @@ def forward(q, k, v, cu_q, cu_k, causal: bool, scale: float, max_lens: tuple[int
     # rows that see no key: +inf, as FlashAttention-2's forward (which also gives +inf
     # to a row whose sum is NaN, where FA4 gives -inf)
     lse.masked_fill_(lse == float("-inf"), float("inf"))
-    redo = _contaminated(out, cu_q32) | _reads_before(cu_q32, cu_k32, causal)
+    redo = _contaminated(out, cu_q32)
+    if keyless_rows:
+        redo |= _reads_before(cu_q32, cu_k32, causal)
     segment_forward.recompute(redo, q, k, v, cu_q32, cu_k32, causal, scale, max_lens, out, lse)
     return out, lse
 

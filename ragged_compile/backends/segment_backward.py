@@ -83,21 +83,27 @@ def _block_table(cu: torch.Tensor, total: int, block: int) -> torch.Tensor:
     return torch.stack([seg, idx], 1).contiguous()
 
 
+def _with_spare_segment(flags, q, cu_q, cu_k):
+    """What both recompute launches start from: the block shape for q's head dim, and
+    flags and offsets with a segment n appended (the block tables' spare blocks):
+    never flagged, no rows."""
+    if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the recompute kernels take float16/bfloat16 on CUDA (tl.dot of float32 is TF32), got {q.dtype}")
+    flags = torch.cat([flags.to(torch.int32), flags.new_zeros(1, dtype=torch.int32)])
+    cu_q, cu_k = (torch.cat([c, c[-1:]]).to(torch.int32).contiguous() for c in (cu_q, cu_k))
+    return _blocks(q.shape[-1], triton), flags, cu_q, cu_k
+
+
 def _launch(flags, grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale, max_lens, grads) -> None:
     _, dk_dv, dq_rows = _triton()
     dq, dk, dv = grads
-    if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"the recompute kernels take float16/bfloat16 on CUDA (tl.dot of float32 is TF32), got {q.dtype}")
     same = cu_k is cu_q  # self-attention: one block table
     n = cu_q.numel() - 1
     tq, hq, d = q.shape
     tk, hkv = k.shape[0], k.shape[1]
     if n == 0 or tq == 0 or tk == 0 or max_lens[0] == 0 or max_lens[1] == 0:
         return  # no segment has both queries and keys: the gradients are zeros already
-    block, bd, warps = _blocks(d, triton)
-    # segment n (the tables' spare blocks): never flagged, no rows
-    flags = torch.cat([flags.to(torch.int32), flags.new_zeros(1, dtype=torch.int32)])
-    cu_q, cu_k = (torch.cat([c, c[-1:]]).to(torch.int32).contiguous() for c in (cu_q, cu_k))
+    (block, bd, warps), flags, cu_q, cu_k = _with_spare_segment(flags, q, cu_q, cu_k)
     table_q = _block_table(cu_q[:-1], tq, block)
     table_k = table_q if same else _block_table(cu_k[:-1], tk, block)
     common = (flags, cu_q, cu_k, float(scale), tq, hq, hkv, hq // hkv, d)
@@ -161,14 +167,20 @@ if triton is not None:
         return q, do, delta, lse
 
     @triton.jit
+    def _valid(rm, rn, lq, lk, CAUSAL: tl.constexpr):
+        # the (query row, key) pairs of a tile inside the segment, at or below the
+        # bottom-right-aligned diagonal when causal
+        valid = (rm[:, None] < lq) & (rn[None, :] < lk)
+        if CAUSAL:
+            valid = valid & (rn[None, :] <= rm[:, None] + (lk - lq))
+        return valid
+
+    @triton.jit
     def _tile(q, k, v, do, delta, lse, rm, rn, lq, lk, scale, CAUSAL: tl.constexpr):
         # P and dS of one (q block, k block) tile: P zero outside the segment, above
         # the bottom-right-aligned diagonal when causal, and where lse = +inf (no key)
         s = tl.dot(q, tl.trans(k)) * scale
-        valid = (rm[:, None] < lq) & (rn[None, :] < lk)
-        if CAUSAL:
-            valid = valid & (rn[None, :] <= rm[:, None] + (lk - lq))
-        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+        p = tl.where(_valid(rm, rn, lq, lk, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
         return p, p * (tl.dot(do, tl.trans(v)) - delta[:, None])
 
     @triton.jit

@@ -50,17 +50,12 @@ def _on_host(flags, q, k, v, cu_q, cu_k, causal, scale, out, lse) -> None:
 
 
 def _launch(flags, q, k, v, cu_q, cu_k, causal, scale, max_lens, out, lse) -> None:
-    triton = segment_backward.triton
-    if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"the recompute kernels take float16/bfloat16 on CUDA (tl.dot of float32 is TF32), got {q.dtype}")
     n = cu_q.numel() - 1
     tq, hq, d = q.shape
     hkv = k.shape[1]
     if n == 0 or tq == 0 or max_lens[0] == 0:
         return
-    block, bd, warps = segment_backward._blocks(d, triton)
-    flags = torch.cat([flags.to(torch.int32), flags.new_zeros(1, dtype=torch.int32)])
-    cu_q, cu_k = (torch.cat([c, c[-1:]]).to(torch.int32).contiguous() for c in (cu_q, cu_k))
+    (block, bd, warps), flags, cu_q, cu_k = segment_backward._with_spare_segment(flags, q, cu_q, cu_k)
     table = segment_backward._block_table(cu_q[:-1], tq, block)
     _fwd_rows[(table.shape[0], hq)](
         q, k, v, out, lse, table, flags, cu_q, cu_k, float(scale), tq, hq, hkv, hq // hkv, d,
@@ -72,7 +67,7 @@ if segment_backward.triton is not None:
     import triton
     import triton.language as tl
 
-    from .segment_backward import _block, _segment, _store, _table_entry
+    from .segment_backward import _block, _segment, _store, _table_entry, _valid
 
     @triton.jit
     def _fwd_rows(
@@ -97,10 +92,7 @@ if segment_backward.triton is not None:
             for n0 in range(0, hi, BN):
                 rn = n0 + tl.arange(0, BN)
                 s = tl.dot(q, tl.trans(_block(K, k0, rn, lk, rd, hkv, hk, d))) * scale
-                valid = (rm[:, None] < lq) & (rn[None, :] < lk)
-                if CAUSAL:
-                    valid = valid & (rn[None, :] <= rm[:, None] + (lk - lq))
-                s = tl.where(valid, s, float("-inf"))
+                s = tl.where(_valid(rm, rn, lq, lk, CAUSAL), s, float("-inf"))
                 m_new = tl.maximum(m, tl.max(s, 1))
                 # rows that have seen no key yet keep m = -inf: shift by 0 there
                 shift = tl.where(m_new == float("-inf"), 0.0, m_new)

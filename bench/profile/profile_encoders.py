@@ -1,0 +1,162 @@
+"""Where padded encoder batches spend their time beyond attention: ModernBERT-base
+forwards and BERT-large / ModernBERT training steps, ``"sdpa"`` against ours
+(``register()``) and ours unpadded (``hf.unpad``), per implementation: wall ms in
+rotating rounds, the GPU time of one call queued behind a sleep (the host out of
+the way), the kernels' total, count and the top kernels by CUDA time, and the
+host's own ops by self CPU time (torch.profiler).
+
+A row whose wall time exceeds its queued GPU time is host-bound; the top kernels
+of ours against ``"sdpa"`` say which GPU work our path adds or removes.
+
+    python bench/profile/profile_encoders.py --out bench/results [--only modernbert,bert_large_train]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_host import _bert, _padded_batch, _rounds
+from env import environment
+from timing import gpu_queued_ms, kernel_times, median
+
+from ragged_compile import hf
+
+
+def _modernbert(dev, dtype, attn, smoke):
+    import transformers as t
+
+    base = {"hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 1152, "num_hidden_layers": 22,
+                "local_attention": 128, "vocab_size": 50368, "max_position_embeddings": 8192}
+    if smoke:
+        base = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 64, "num_hidden_layers": 3,
+                    "local_attention": 8, "vocab_size": 128, "max_position_embeddings": 512}
+    torch.manual_seed(0)
+    model = t.ModernBertModel(t.ModernBertConfig(**base, pad_token_id=0)).to(dev, dtype)
+    model.set_attn_implementation(attn)
+    return model
+
+
+def _host_ops(fn, steps=3, top=25) -> list:
+    """The host's ops by self CPU time per call (torch.profiler, CPU activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    evs = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return [(e.key[:80], e.count // steps, round(e.self_cpu_time_total / steps / 1e3, 3)) for e in evs]
+
+
+def _profile(fns: dict, dev, target_s: float) -> dict:
+    res = {}
+    for key, times in _rounds(fns, dev, target_s).items():
+        res[key] = {"wall_ms": round(median([t[1] for t in times]), 3)}
+    if dev.type == "cuda":
+        for key, fn in fns.items():
+            res[key].update(gpu_ms=gpu_queued_ms(fn, reps=5), kernels=kernel_times(fn, steps=3, top=30),
+                            host_ops=_host_ops(fn))
+    for key in fns:
+        res[key]["speed_over_sdpa"] = round(res["sdpa"]["wall_ms"] / res[key]["wall_ms"], 3)
+    return res
+
+
+def modernbert_rows(dev, dtype, smoke, target_s, train=False) -> dict:
+    name = hf.register()
+    models = {"sdpa": _modernbert(dev, dtype, "sdpa", smoke), "ours": _modernbert(dev, dtype, name, smoke),
+              "unpad": hf.unpad(_modernbert(dev, dtype, name, smoke))}
+    for m in models.values():
+        m.load_state_dict(models["sdpa"].state_dict())
+    b, s = (4, 32) if smoke else ((16, 1024) if train else (64, 1024))
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(1, s + 1, (b,), generator=g)
+    mask = (torch.arange(s)[None, :] < lens[:, None]).long().to(dev)
+    ids = (torch.randint(1, models["sdpa"].config.vocab_size, (b, s), generator=g).to(dev) * mask)
+    row = {"model": "modernbert-base", "train": train, "batch": b, "length": s, "real_tokens": int(lens.sum())}
+    if not train:
+        for m in models.values():
+            m.eval()
+        fns = {k: (lambda m=m: m(input_ids=ids, attention_mask=mask).last_hidden_state) for k, m in models.items()}
+        with torch.no_grad():
+            row.update(_profile(fns, dev, target_s))
+        return row
+    fns = {}
+    for k, m in models.items():
+        opt = torch.optim.AdamW(m.train().parameters(), lr=1e-5, fused=dev.type == "cuda")
+
+        def step(m=m, opt=opt):
+            out = m(input_ids=ids, attention_mask=mask).last_hidden_state
+            (out.float() * mask[..., None]).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        fns[k] = step
+    row.update(_profile(fns, dev, target_s))
+    return row
+
+
+def bert_large_train_row(dev, dtype, smoke, target_s) -> dict:
+    """The unpadding issue's BERT-large training step: 32 x 512 at half padding,
+    fused AdamW, hidden dropout 0.1 (BertConfig's default), attention dropout 0."""
+    name = hf.register()
+    layers, hidden, heads, b, s = (2, 64, 2, 4, 32) if smoke else (24, 1024, 16, 32, 512)
+    ids, mask, lens = _padded_batch(b, s, dev, seed=1, low=0.0)
+    fns = {}
+    for key in ("sdpa", "unpad"):
+        model = _bert(dev, dtype, layers, hidden, heads, "sdpa" if key == "sdpa" else name).train()
+        if key == "unpad":
+            hf.unpad(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
+
+        def step(m=model, o=opt):
+            out = m(input_ids=ids, attention_mask=mask).last_hidden_state
+            (out.float() * mask[..., None]).pow(2).mean().backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+
+        fns[key] = step
+    row = {"model": "bert-large", "train": True, "batch": b, "length": s, "real_tokens": int(lens.sum())}
+    row.update(_profile(fns, dev, target_s))
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--only", default="modernbert,modernbert_train,bert_large_train")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--target-s", type=float, default=4.0)
+    a = p.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    res = {"environment": environment(), "rows": []}
+    path = pathlib.Path(a.out)
+    path.mkdir(parents=True, exist_ok=True)
+    only = a.only.split(",")
+    for kind in only:
+        if kind == "modernbert":
+            row = modernbert_rows(dev, dtype, a.smoke, a.target_s)
+        elif kind == "modernbert_train":
+            row = modernbert_rows(dev, dtype, a.smoke, a.target_s, train=True)
+        elif kind == "bert_large_train":
+            row = bert_large_train_row(dev, dtype, a.smoke, a.target_s)
+        else:
+            raise SystemExit(f"--only: unknown row {kind!r}")
+        res["rows"].append(row)
+        print(json.dumps({k: (v if not isinstance(v, dict) else {x: v[x] for x in ("wall_ms", "gpu_ms") if x in v})
+                          for k, v in row.items()}), flush=True)
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+        (path / "profile_encoders.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

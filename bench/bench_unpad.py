@@ -19,6 +19,9 @@ BERT classifiers, side by side in one process (BERT encoders: ``bench_host.py``)
   batch), mean pooling, in-batch negatives loss (MultipleNegativesRankingLoss),
   backward, fused AdamW (its trainer's default): ``"sdpa"``, ours and ours
   unpadded; ms per step, 8 batches in turn, in rotating rounds.
+* ``st_train_compiled`` (not in the default ``--only``): the same step with
+  ``"sdpa"`` and ours unpadded each compiled (``torch.compile``, as the trainer's
+  ``torch_compile=True``), warmed over every batch first.
 * ``full``: rows with no padding at all (BERT-base 64 x 256, BERT-large 32 x 512):
   ``"sdpa"``, ours, ours unpadded, forward ms: what an unpadded model costs where
   there is nothing to remove.
@@ -169,7 +172,10 @@ class _Said(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def st_train_rows(dev, dtype, smoke) -> list[dict]:
+def st_train_rows(dev, dtype, smoke, compiled=False) -> list[dict]:
+    """The fine-tuning step; ``compiled``: ``"sdpa"`` and ours unpadded with the
+    model compiled (``torch.compile``, as the trainer's ``torch_compile=True`` does),
+    warmed over every batch first (a recompile per new length, then dynamic)."""
     import sentence_transformers as st
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
 
@@ -191,12 +197,13 @@ def st_train_rows(dev, dtype, smoke) -> list[dict]:
             return st.SentenceTransformer(modules=[t, Pooling(t.get_embedding_dimension(), pooling_mode="mean")],
                                           device=str(dev))
 
-        models = {"sdpa": load("sdpa"), "ours": load(name), "unpad": load(name)}
+        models = {"sdpa": load("sdpa"), "unpad": load(name)} if compiled else \
+            {"sdpa": load("sdpa"), "ours": load(name), "unpad": load(name)}
     hf.unpad(models["unpad"][0].auto_model)
     steps = []
     for key, m in models.items():
         m.train()
-        loss_fn = MultipleNegativesRankingLoss(m)
+        loss_fn = MultipleNegativesRankingLoss(torch.compile(m) if compiled else m)
         # fused: the AdamW sentence-transformers' trainer (transformers' Trainer) runs by
         # default on torch >= 2.8 (optim="adamw_torch_fused")
         opt = torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True)
@@ -218,8 +225,11 @@ def st_train_rows(dev, dtype, smoke) -> list[dict]:
             opt.zero_grad(set_to_none=True)
             return loss
 
+        if compiled:
+            for _ in range(2 * batches):
+                step()
         steps.append((key, step, feats))
-    row = {"model": "bert-base", "pairs_per_batch": pairs, "dropout": 0.1,
+    row = {"model": "bert-base", "compiled": compiled, "pairs_per_batch": pairs, "dropout": 0.1,
            "real_fraction": sum(float(x["attention_mask"].float().mean()) for f in steps[0][2] for x in f)
            / (2 * batches)}
     said = _Said()
@@ -240,7 +250,7 @@ def st_train_rows(dev, dtype, smoke) -> list[dict]:
     finally:
         hf_unpad._pack = real_pack
     row["unpadded_forwards_packed_of_4"] = len(packed)  # two steps, two forwards (anchors, positives) each
-    for key in ("ours", "unpad"):
+    for key in models:
         row[f"{key}_over_sdpa_speed"] = row["sdpa_ms"] / row[f"{key}_ms"]
     print(json.dumps(row), flush=True)
     return [row]
@@ -274,8 +284,9 @@ def full_rows(dev, dtype, smoke, target_s) -> list[dict]:
 
 def _speeds(r, unit, digits):
     """The cells every table shares: sdpa, ours, unpadded, and the two speed ratios."""
-    return [f"{r['sdpa_' + unit]:.{digits}f}", f"{r['ours_' + unit]:.{digits}f}", f"{r['unpad_' + unit]:.{digits}f}",
-            f"{r['ours_over_sdpa_speed']:.2f}x", f"{r['unpad_over_sdpa_speed']:.2f}x"]
+    ours = [f"{r['ours_' + unit]:.{digits}f}", f"{r['ours_over_sdpa_speed']:.2f}x"] if "ours_" + unit in r else ["", ""]
+    return [f"{r['sdpa_' + unit]:.{digits}f}", ours[0], f"{r['unpad_' + unit]:.{digits}f}",
+            ours[1], f"{r['unpad_over_sdpa_speed']:.2f}x"]
 
 
 def _diff(r):
@@ -291,6 +302,9 @@ _TABLES = {
     "st_train": ("sentence-transformers fine-tuning step, BERT-base, dropout 0.1, in-batch negatives",
                  ["pairs a batch", "real tokens"],
                  lambda r: [str(r["pairs_per_batch"]), f"{r['real_fraction']:.0%}"], ("ms", 2), False),
+    "st_train_compiled": ("the same step, each model compiled (torch.compile; ours padded not run)",
+                          ["pairs a batch", "real tokens"],
+                          lambda r: [str(r["pairs_per_batch"]), f"{r['real_fraction']:.0%}"], ("ms", 2), False),
     "full": ("Full rows (no padding), forward", ["model", "batch x L"],
              lambda r: [r["model"], f"{r['batch']} x {r['length']}"], ("ms", 2), True),
 }
@@ -312,7 +326,7 @@ def _markdown(res: dict) -> str:
 
 
 def main() -> None:
-    a, dev, dtype = model_cli(__doc__, "decoder,st,st_train,full")
+    a, dev, dtype = model_cli(__doc__, "decoder,st,st_train,full")  # and st_train_compiled
     only = set(a.only.split(","))
     res: dict = {"environment": environment(), "device": str(dev), "dtype": str(dtype), "smoke": a.smoke}
     if "decoder" in only:
@@ -321,6 +335,8 @@ def main() -> None:
         res["st"] = st_rows(dev, dtype, a.smoke)
     if "st_train" in only:
         res["st_train"] = st_train_rows(dev, dtype, a.smoke)
+    if "st_train_compiled" in only:
+        res["st_train_compiled"] = st_train_rows(dev, dtype, a.smoke, compiled=True)
     if "full" in only:
         res["full"] = full_rows(dev, dtype, a.smoke, 0.05 if a.smoke else a.target_s)
     out = pathlib.Path(a.out)

@@ -36,8 +36,8 @@ import functools
 import inspect
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .backends import select
 from .logs import log, warn_once
@@ -451,31 +451,33 @@ def _plan(state, call, ctx):
         b, s = mask.shape
         if b == 0 or s == 0:
             return None
+        from .hf import _host_runs
+
         valid = mask != 0
-        n = valid.sum(-1)
-        start = torch.where(n > 0, torch.argmax(valid.to(torch.int8), dim=-1), torch.zeros_like(n))
-        col = torch.arange(s, device=mask.device)
-        one_run = (((col >= start[:, None]) & (col < (start + n)[:, None])) == valid).all()
         checks, label_checks = _head_checks(state, call, ctx, valid)
-        flags = torch.stack([n.sum(), n.max(), one_run, *checks, *label_checks])
-        stats = torch.cat([flags, n]).tolist()  # the one host read: totals, checks, lengths
-        total, longest, one_run = stats[:3]
-        checks, label_checks = stats[3:3 + len(checks)], stats[3 + len(checks):len(flags)]
-        lengths = stats[len(flags):]
+        flags = [*checks, *label_checks]
+        # The one host read: the mask (as bools) and the head's checks. Runs, totals and
+        # the packed indices are host work on that copy (numpy: a few microseconds),
+        # where a dozen small kernels each cost a launch.
+        host = (torch.cat([valid.flatten(), torch.stack(flags)]) if flags else valid).cpu().numpy()
+        host_valid = host[:b * s].reshape(b, s)
+        checks, label_checks = host[b * s:b * s + len(checks)], host[b * s + len(checks):]
+        n = host_valid.sum(-1)
+        total, longest = int(n.sum()), int(n.max())
         if total == b * s:
             # Nothing to pack. An encoder's all-ones mask says nothing either: the model
             # runs without it, so its attention reads no mask again (transformers
             # treats None as every key valid; hf.py runs dense SDPA on such rows, as
             # stock does). A decoder keeps it: without it, it would read position_ids.
             return None if state.family.causal else {"call": {**call, "attention_mask": None}}
-        if not one_run:
+        if _host_runs(host_valid, s, False) is None:  # not padding
             reason = "valid tokens are not one run per row"
         elif total == 0:
             return None
-        elif not all(checks):
+        elif not checks.all():
             reason = "head reads a padded position"
             detail = _READS[(ctx["head"] if ctx is not None else _FIRST).reads]
-        elif not all(label_checks):
+        elif not label_checks.all():
             reason = "labels at padded positions"
         else:
             w = _window(state.base.config)
@@ -484,30 +486,26 @@ def _plan(state, call, ctx):
     if reason is not None:
         _warn(reason, state.top, detail)
         return None
-    plan = _pack(state, call, valid, n, start, total, longest)
-    if valid.device.type in _KNOWN_OFFSETS_DEVICES:
-        # The lengths came with the mask's read: the runtime plans every layer from
-        # their host offsets and reads nothing back (eager; compiled, where the graph
-        # hands the op the same tensor).
-        from .runtime import get_runtime
-
-        host = F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
-        get_runtime(valid.device).know_offsets(plan["call"]["cu_seq_lens_q"], host)
-    return plan
+    return _pack(state, call, valid, host_valid, n, longest)
 
 
-def _pack(state, call, valid, n, start, total, longest):
+def _pack(state, call, valid, host_valid, n, longest):
+    """The packed call from the mask's host copy: the valid positions' flat indices
+    and columns, and the offsets, each computed on the host and copied over once."""
     b, s = valid.shape
     dev = valid.device
-    rows = torch.repeat_interleave(torch.arange(b, device=dev), n, output_size=total)
+    flat = np.flatnonzero(host_valid)  # row-major: each row's run, rows in order
+    cu = np.concatenate(([0], np.cumsum(n))).astype(np.int32)
     with torch.inference_mode(False):
         # Offsets that keep a version (not inference tensors): the runtime may keep
         # their host copy and hf.py need not copy them per forward.
-        cu = F.pad(torch.cumsum(n, 0), (1, 0))
-        cu32 = cu.to(torch.int32)
-    offs = torch.arange(total, device=dev) - cu[rows]  # position within its sequence
-    col = start[rows] + offs                            # column in the padded row
-    flat = rows * s + col
+        host_cu = torch.from_numpy(cu)
+        idx, cu32 = torch.from_numpy(np.concatenate((flat, flat % s))), host_cu
+        if dev.type == "cuda":
+            idx = idx.pin_memory().to(dev, non_blocking=True)
+            cu32 = host_cu.pin_memory().to(dev, non_blocking=True)
+    total = len(flat)
+    flat, col = idx[:total], idx[total:]  # col: the column in the padded row
     new = dict(call)
     new["attention_mask"] = None
     if state.family.mask_mapping:
@@ -540,6 +538,12 @@ def _pack(state, call, valid, n, start, total, longest):
         if new.get(k) is not None:
             torch._dynamo.maybe_mark_dynamic(new[k], 1)
     torch._dynamo.maybe_mark_dynamic(flat, 0)
+    if dev.type in _KNOWN_OFFSETS_DEVICES:
+        # The runtime plans every layer from the host offsets and reads nothing back
+        # (eager; compiled, where the graph hands the op the same tensor).
+        from .runtime import get_runtime
+
+        get_runtime(dev).know_offsets(cu32, host_cu)
     return {"call": new, "flat": flat, "valid": valid}
 
 

@@ -9,6 +9,9 @@ A row whose wall time exceeds its queued GPU time is host-bound; the top kernels
 of ours against ``"sdpa"`` say which GPU work our path adds or removes.
 
     python bench/profile/profile_encoders.py --out bench/results [--only modernbert,bert_large_train]
+
+``--only bert_base_train_compiled`` profiles BERT-base's step with both models
+compiled (``torch.compile``), with Dynamo's graph and graph-break counts.
 """
 
 from __future__ import annotations
@@ -104,28 +107,47 @@ def modernbert_rows(dev, dtype, smoke, target_s, train=False) -> dict:
     return row
 
 
-def bert_large_train_row(dev, dtype, smoke, target_s) -> dict:
-    """The unpadding issue's BERT-large training step: 32 x 512 at half padding,
-    fused AdamW, hidden dropout 0.1 (BertConfig's default), attention dropout 0."""
+def bert_train_row(dev, dtype, smoke, target_s, large=True, compiled=False) -> dict:
+    """The unpadding issue's training steps: BERT-large 32 x 512 (or BERT-base
+    64 x 256) at half padding, fused AdamW, hidden dropout 0.1 (BertConfig's
+    default), attention dropout 0; ``compiled``: each model ``torch.compile``d,
+    with Dynamo's graph and graph-break counts."""
     name = hf.register()
-    layers, hidden, heads, b, s = (2, 64, 2, 4, 32) if smoke else (24, 1024, 16, 32, 512)
+    layers, hidden, heads, b, s = (24, 1024, 16, 32, 512) if large else (12, 768, 12, 64, 256)
+    if smoke:
+        layers, hidden, heads, b, s = 2, 64, 2, 4, 32
     ids, mask, lens = _padded_batch(b, s, dev, seed=1, low=0.0)
-    fns = {}
+    fns, graphs = {}, {}
     for key in ("sdpa", "unpad"):
         model = _bert(dev, dtype, layers, hidden, heads, "sdpa" if key == "sdpa" else name).train()
         if key == "unpad":
             hf.unpad(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
+        run = model
+        if compiled:
+            from torch._dynamo.utils import counters
 
-        def step(m=model, o=opt):
+            counters.clear()
+            run = torch.compile(model)
+
+        def step(m=run, o=opt):
             out = m(input_ids=ids, attention_mask=mask).last_hidden_state
             (out.float() * mask[..., None]).pow(2).mean().backward()
             o.step()
             o.zero_grad(set_to_none=True)
 
+        if compiled:
+            for _ in range(3):
+                step()
+            graphs[key] = {"unique_graphs": counters["stats"]["unique_graphs"],
+                           "graph_breaks": sum(counters["graph_break"].values()),
+                           "break_reasons": [r[:160] for r in counters["graph_break"]]}
         fns[key] = step
-    row = {"model": "bert-large", "train": True, "batch": b, "length": s, "real_tokens": int(lens.sum())}
+    row = {"model": "bert-large" if large else "bert-base", "train": True, "compiled": compiled, "batch": b,
+           "length": s, "real_tokens": int(lens.sum())}
     row.update(_profile(fns, dev, target_s))
+    for key, g in graphs.items():
+        row[key]["dynamo"] = g
     return row
 
 
@@ -148,7 +170,9 @@ def main() -> None:
         elif kind == "modernbert_train":
             row = modernbert_rows(dev, dtype, a.smoke, a.target_s, train=True)
         elif kind == "bert_large_train":
-            row = bert_large_train_row(dev, dtype, a.smoke, a.target_s)
+            row = bert_train_row(dev, dtype, a.smoke, a.target_s)
+        elif kind == "bert_base_train_compiled":
+            row = bert_train_row(dev, dtype, a.smoke, a.target_s, large=False, compiled=True)
         else:
             raise SystemExit(f"--only: unknown row {kind!r}")
         res["rows"].append(row)

@@ -462,27 +462,29 @@ def _plan(state, call, ctx):
         host = (torch.cat([valid.flatten(), torch.stack(flags)]) if flags else valid).cpu().numpy()
         host_valid = host[:b * s].reshape(b, s)
         checks, label_checks = host[b * s:b * s + len(checks)], host[b * s + len(checks):]
-        n = host_valid.sum(-1)
-        total, longest = int(n.sum()), int(n.max())
-        if total == b * s:
-            # Nothing to pack. An encoder's all-ones mask says nothing either: the model
-            # runs without it, so its attention reads no mask again (transformers
-            # treats None as every key valid; hf.py runs dense SDPA on such rows, as
-            # stock does). A decoder keeps it: without it, it would read position_ids.
-            return None if state.family.causal else {"call": {**call, "attention_mask": None}}
-        if _host_runs(host_valid, s, False) is None:  # not padding
+        runs = _host_runs(host_valid, s, False)  # each row's (start, count); None: not padding
+        if runs is None:
             reason = "valid tokens are not one run per row"
-        elif total == 0:
-            return None
-        elif not checks.all():
-            reason = "head reads a padded position"
-            detail = _READS[(ctx["head"] if ctx is not None else _FIRST).reads]
-        elif not label_checks.all():
-            reason = "labels at padded positions"
         else:
-            w = _window(state.base.config)
-            if w is not None and longest > w and not _window_runs_on_op(state.base, state.base.config, mask):
-                reason = "sliding window shorter than a sequence"
+            n = runs[1]
+            total, longest = int(n.sum()), int(n.max())
+            if total == b * s:
+                # Nothing to pack. An encoder's all-ones mask says nothing either: the model
+                # runs without it, so its attention reads no mask again (transformers
+                # treats None as every key valid; hf.py runs dense SDPA on such rows, as
+                # stock does). A decoder keeps it: without it, it would read position_ids.
+                return None if state.family.causal else {"call": {**call, "attention_mask": None}}
+            if total == 0:
+                return None
+            if not checks.all():
+                reason = "head reads a padded position"
+                detail = _READS[(ctx["head"] if ctx is not None else _FIRST).reads]
+            elif not label_checks.all():
+                reason = "labels at padded positions"
+            else:
+                w = _window(state.base.config)
+                if w is not None and longest > w and not _window_runs_on_op(state.base, state.base.config, mask):
+                    reason = "sliding window shorter than a sequence"
     if reason is not None:
         _warn(reason, state.top, detail)
         return None

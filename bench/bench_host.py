@@ -375,6 +375,19 @@ def _rounds(fns: dict, dev, target_s: float, rounds: int = 5) -> dict:
     return interleaved(fns, rounds, host)
 
 
+def train_step(model, opt, ids, mask):
+    """One training step of an encoder on a padded batch (forward, a loss over valid
+    positions, backward, ``opt``), as a closure to time."""
+
+    def step():
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        (out.float() * mask[..., None]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def train_rows(dev, dtype, configs, target_s) -> list[dict]:
     """Training steps of padded BERT encoders, ``"sdpa"`` / ours / ours unpadded (the
     same weights), timed in rotating rounds, with each AdamW: ``fused`` (what
@@ -395,14 +408,7 @@ def train_rows(dev, dtype, configs, target_s) -> list[dict]:
                 if key == "unpad":
                     hf.unpad(model)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **{optim: True})
-
-                def step(m=model, o=opt):
-                    out = m(input_ids=ids, attention_mask=mask).last_hidden_state
-                    loss = (out.float() * mask[..., None]).pow(2).mean()
-                    loss.backward()
-                    o.step()
-                    o.zero_grad(set_to_none=True)
-
+                step = train_step(model, opt, ids, mask)
                 for _ in range(3):
                     step()
                 with SyncCount(dev) as sc:
@@ -442,13 +448,7 @@ def compiled_train_rows(dev, dtype, configs, target_s) -> list[dict]:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
             compiled = torch.compile(model)
 
-            def step(m=compiled, o=opt):
-                out = m(input_ids=ids, attention_mask=mask).last_hidden_state
-                loss = (out.float() * mask[..., None]).pow(2).mean()
-                loss.backward()
-                o.step()
-                o.zero_grad(set_to_none=True)
-
+            step = train_step(compiled, opt, ids, mask)
             t0 = time.perf_counter()
             step()
             _sync(dev)

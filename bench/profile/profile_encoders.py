@@ -25,7 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_host import _bert, _padded_batch, _rounds
+from bench_host import _bert, _padded_batch, _rounds, train_step
 from env import environment
 from timing import gpu_queued_ms, kernel_times, median
 
@@ -96,13 +96,7 @@ def modernbert_rows(dev, dtype, smoke, target_s, train=False) -> dict:
     for k, m in models.items():
         opt = torch.optim.AdamW(m.train().parameters(), lr=1e-5, fused=dev.type == "cuda")
 
-        def step(m=m, opt=opt):
-            out = m(input_ids=ids, attention_mask=mask).last_hidden_state
-            (out.float() * mask[..., None]).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        fns[k] = step
+        fns[k] = train_step(m, opt, ids, mask)
     row.update(_profile(fns, dev, target_s))
     return row
 
@@ -130,12 +124,7 @@ def bert_train_row(dev, dtype, smoke, target_s, large=True, compiled=False) -> d
             counters.clear()
             run = torch.compile(model)
 
-        def step(m=run, o=opt):
-            out = m(input_ids=ids, attention_mask=mask).last_hidden_state
-            (out.float() * mask[..., None]).pow(2).mean().backward()
-            o.step()
-            o.zero_grad(set_to_none=True)
-
+        step = train_step(run, opt, ids, mask)
         if compiled:
             for _ in range(3):
                 step()

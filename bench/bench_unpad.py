@@ -149,6 +149,9 @@ def st_rows(dev, dtype, smoke) -> list[dict]:
     return rows
 
 
+ST_TRAIN, ST_TRAIN_SMOKE = (32, 8, 30000), (8, 2, 500)  # pairs a batch, batches, vocabulary words
+
+
 def _st_model(path_dir, words, size, dropout):
     """A BERT sentence-transformer saved to ``path_dir`` (no hub), and its tokenizer."""
     from transformers import BertConfig, BertModel, BertTokenizerFast
@@ -172,8 +175,9 @@ class _Said(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def st_train_rows(dev, dtype, smoke, compiled=False) -> list[dict]:
-    """The fine-tuning step; ``compiled``: ``"sdpa"`` and ours unpadded with the
+def st_train_steps(dev, dtype, smoke, compiled=False) -> list[tuple]:
+    """``(key, step, features)`` for each implementation of the fine-tuning step:
+    ``"sdpa"``, ours (not when ``compiled``) and ours unpadded; ``compiled``: each
     model compiled (``torch.compile``, as the trainer's ``torch_compile=True`` does),
     warmed over every batch first (a recompile per new length, then dynamic)."""
     import sentence_transformers as st
@@ -184,7 +188,7 @@ def st_train_rows(dev, dtype, smoke, compiled=False) -> list[dict]:
     except ImportError:  # releases before the per-model packages
         from sentence_transformers.losses import MultipleNegativesRankingLoss
 
-    pairs, batches, words = (8, 2, 500) if smoke else (32, 8, 30000)
+    pairs, batches, words = ST_TRAIN_SMOKE if smoke else ST_TRAIN
     size = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64) if smoke else \
         dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
     texts = _sentences(2 * pairs * batches, words, seed=1)
@@ -229,6 +233,14 @@ def st_train_rows(dev, dtype, smoke, compiled=False) -> list[dict]:
             for _ in range(2 * batches):
                 step()
         steps.append((key, step, feats))
+    return steps
+
+
+def st_train_rows(dev, dtype, smoke, compiled=False) -> list[dict]:
+    """The fine-tuning step of :func:`st_train_steps`, timed in rotating rounds."""
+    pairs, batches, _ = ST_TRAIN_SMOKE if smoke else ST_TRAIN
+    steps = st_train_steps(dev, dtype, smoke, compiled)
+    models = [key for key, _, _ in steps]
     row = {"model": "bert-base", "compiled": compiled, "pairs_per_batch": pairs, "dropout": 0.1,
            "real_fraction": sum(float(x["attention_mask"].float().mean()) for f in steps[0][2] for x in f)
            / (2 * batches)}

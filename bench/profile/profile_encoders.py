@@ -10,8 +10,12 @@ of ours against ``"sdpa"`` say which GPU work our path adds or removes.
 
     python bench/profile/profile_encoders.py --out bench/results [--only modernbert,bert_large_train]
 
-``--only bert_base_train_compiled`` profiles BERT-base's step with both models
-compiled (``torch.compile``), with Dynamo's graph and graph-break counts.
+``--only bert_base_train_compiled`` (``bert_large_train_compiled``) profiles
+BERT-base's (BERT-large's) step with both models compiled (``torch.compile``),
+with Dynamo's graph and graph-break counts, beside the unpadded step in eager;
+``st_train`` (``st_train_compiled``) the sentence-transformers fine-tuning step
+of ``bench_unpad.py``. Each row counts device-to-host syncs per call and where
+they come from.
 """
 
 from __future__ import annotations
@@ -60,14 +64,54 @@ def _host_ops(fn, steps=3, top=25) -> list:
     return [(e.key[:80], e.count // steps, round(e.self_cpu_time_total / steps / 1e3, 3)) for e in evs]
 
 
+def _syncs(fn, steps=2, top=8) -> dict:
+    """Device-to-host syncs per call (CUDA's sync debug mode) and where they come
+    from: the innermost frames of this repository or transformers, by count; plus
+    the default runtime's counters per call (plans, its own offset reads)."""
+    import collections
+    import traceback
+    import warnings
+
+    from ragged_compile.runtime import get_runtime
+
+    fn()
+    torch.cuda.synchronize()
+    rt = get_runtime(torch.device("cuda"))
+    before = dict(rt.stats)
+    sources = collections.Counter()
+
+    def seen(message, *a, **k):
+        if "called a synchronizing" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "ragged_compile" in f.filename or "transformers" in f.filename or "bench" in f.filename]
+        sources[" < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[-3:][::-1])] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = seen
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            for _ in range(steps):
+                fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    stats = {k: (v - before.get(k, 0)) / steps for k, v in rt.stats.items() if v != before.get(k, 0)}
+    return {"per_call": sum(sources.values()) / steps,
+            "sources": [(src, n / steps) for src, n in sources.most_common(top)], "runtime_stats_per_call": stats}
+
+
 def _profile(fns: dict, dev, target_s: float) -> dict:
     res = {}
     for key, times in _rounds(fns, dev, target_s).items():
         res[key] = {"wall_ms": round(median([t[1] for t in times]), 3)}
     if dev.type == "cuda":
         for key, fn in fns.items():
+            # gpu_ms: a call with a sync inside (unpadding's mask read) issues what
+            # follows the sync at the host's pace, so there kernels' total_ms is the GPU time
             res[key].update(gpu_ms=gpu_queued_ms(fn, reps=5), kernels=kernel_times(fn, steps=3, top=30),
-                            host_ops=_host_ops(fn))
+                            host_ops=_host_ops(fn), syncs=_syncs(fn))
     for key in fns:
         res[key]["speed_over_sdpa"] = round(res["sdpa"]["wall_ms"] / res[key]["wall_ms"], 3)
     return res
@@ -112,20 +156,20 @@ def bert_train_row(dev, dtype, smoke, target_s, large=True, compiled=False) -> d
         layers, hidden, heads, b, s = 2, 64, 2, 4, 32
     ids, mask, lens = _padded_batch(b, s, dev, seed=1, low=0.0)
     fns, graphs = {}, {}
-    for key in ("sdpa", "unpad"):
+    for key in ("sdpa", "unpad") + (("unpad_eager",) if compiled else ()):
         model = _bert(dev, dtype, layers, hidden, heads, "sdpa" if key == "sdpa" else name).train()
-        if key == "unpad":
+        if key != "sdpa":
             hf.unpad(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
         run = model
-        if compiled:
+        if compiled and key != "unpad_eager":
             from torch._dynamo.utils import counters
 
             counters.clear()
             run = torch.compile(model)
 
         step = train_step(run, opt, ids, mask)
-        if compiled:
+        if compiled and key != "unpad_eager":
             for _ in range(3):
                 step()
             graphs[key] = {"unique_graphs": counters["stats"]["unique_graphs"],
@@ -137,6 +181,21 @@ def bert_train_row(dev, dtype, smoke, target_s, large=True, compiled=False) -> d
     row.update(_profile(fns, dev, target_s))
     for key, g in graphs.items():
         row[key]["dynamo"] = g
+    return row
+
+
+def st_train_row(dev, dtype, smoke, target_s, compiled=False) -> dict:
+    """The sentence-transformers fine-tuning step of ``bench_unpad.py``
+    (``st_train``), per implementation, batch by batch in turn."""
+    from bench_unpad import ST_TRAIN, ST_TRAIN_SMOKE, st_train_steps
+
+    pairs, batches, _ = ST_TRAIN_SMOKE if smoke else ST_TRAIN
+    steps = st_train_steps(dev, dtype, smoke, compiled)
+    row = {"model": "bert-base sentence-transformer", "train": True, "compiled": compiled, "pairs": pairs,
+           "batches": batches,
+           "real_fraction": sum(float(x["attention_mask"].float().mean()) for f in steps[0][2] for x in f)
+           / (2 * batches)}
+    row.update(_profile({key: step for key, step, _ in steps}, dev, target_s))
     return row
 
 
@@ -162,6 +221,10 @@ def main() -> None:
             row = bert_train_row(dev, dtype, a.smoke, a.target_s)
         elif kind == "bert_base_train_compiled":
             row = bert_train_row(dev, dtype, a.smoke, a.target_s, large=False, compiled=True)
+        elif kind == "bert_large_train_compiled":
+            row = bert_train_row(dev, dtype, a.smoke, a.target_s, compiled=True)
+        elif kind in ("st_train", "st_train_compiled"):
+            row = st_train_row(dev, dtype, a.smoke, a.target_s, compiled=kind == "st_train_compiled")
         else:
             raise SystemExit(f"--only: unknown row {kind!r}")
         res["rows"].append(row)

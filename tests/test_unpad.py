@@ -832,6 +832,49 @@ def test_cuda_compiled_across_layouts():
             torch.testing.assert_close(out[valid].float(), ref[valid].float(), atol=5e-2, rtol=5e-2)
 
 
+@pytest.mark.cuda
+def test_cuda_training_under_reduce_overhead_across_layouts():
+    """An unpadded model trained under torch.compile(mode="reduce-overhead"):
+    Inductor graphs what surrounds our op (tagged cudagraph_unsafe) and replays
+    those graphs at every step, the op plans each batch's layout, so every step's
+    loss and gradients are the eager unpadded model's, across layouts of equal
+    padded shape and of other shapes, with one sync (unpadding's mask read) a step."""
+    import warnings
+
+    model = hf_unpad.unpad(_cuda_model("bert", "ForMaskedLM").float().train())
+    ref = hf_unpad.unpad(_cuda_model("bert", "ForMaskedLM").float().train())
+    ref.load_state_dict(model.state_dict())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode="reduce-overhead")
+
+    def step(m, kw):
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m(**kw).loss
+        loss.backward()
+        return loss.detach().clone(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    layouts = [([30, 7, 48, 2], 48), ([48, 2, 30, 7], 48), ([30, 7, 48, 2], 48), ([12, 40, 3, 40], 40),
+               ([64, 1, 9, 33], 64)]
+    for i, (lengths, s) in enumerate(layouts):
+        kw = _cuda_inputs("bert", lengths, s)
+        kw["labels"] = kw["input_ids"].masked_fill(~kw["attention_mask"].bool(), -100)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(1 if i == 2 else 0)  # a replayed step
+            try:
+                lout, gout = step(compiled, kw)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+        assert len(syncs) <= 1, syncs
+        lref, gref = step(ref, kw)
+        torch.testing.assert_close(lout, lref, atol=2e-2, rtol=2e-2, msg=lambda m: f"{lengths}: {m}")
+        assert gout.keys() == gref.keys()
+        for n in gref:
+            torch.testing.assert_close(gout[n], gref[n], atol=5e-2, rtol=5e-2, msg=lambda m: f"{lengths} {n}: {m}")
+
+
 @pytest.mark.parametrize("family,suffix,left,others", [("bert", "Model", False, 0), ("roberta", "ForMaskedLM", True, 0),
                                                        ("qwen3", "ForCausalLM", True, 0), ("llama", "ForCausalLM", True, 1)])
 def test_one_host_read_per_forward_and_the_runtime_told_the_offsets(family, suffix, left, others, monkeypatch):

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from env import environment  # noqa: E402
 from harness import model_cli  # noqa: E402
-from timing import interleaved, mean_ms, median, sync as _sync, time_fn  # noqa: E402
+from timing import interleaved, kernel_times, mean_ms, median, sync as _sync, time_fn  # noqa: E402
 
 import ragged_compile as rc  # noqa: E402
 from ragged_compile.runtime import get_runtime  # noqa: E402
@@ -427,7 +427,7 @@ def train_rows(dev, dtype, configs, target_s) -> list[dict]:
     return rows
 
 
-def compiled_train_rows(dev, dtype, configs, target_s) -> list[dict]:
+def compiled_train_rows(dev, dtype, configs, target_s, keys=("sdpa", "sdpa_ro", "unpad", "unpad_ro")) -> list[dict]:
     """The training steps of :func:`train_rows` with the model compiled, fused AdamW:
     ``"sdpa"`` padded against ours unpadded, each with ``torch.compile(model)``
     (``sdpa``, ``unpad``) and with ``mode="reduce-overhead"`` (``sdpa_ro``,
@@ -444,7 +444,7 @@ def compiled_train_rows(dev, dtype, configs, target_s) -> list[dict]:
         ids, mask, lens = _padded_batch(b, s, dev, seed=1, low=0.0)
         row = {"model": label, "batch": b, "length": s, "real_tokens": int(lens.sum()), "optim": "fused"}
         steps = {}
-        for key in ("sdpa", "sdpa_ro", "unpad", "unpad_ro"):
+        for key in ("sdpa",) + tuple(k for k in keys if k != "sdpa"):  # speeds are against "sdpa"
             if key.endswith("_ro") and dev.type != "cuda":
                 continue
             model = _bert(dev, dtype, layers, hidden, heads, "sdpa" if key.startswith("sdpa") else name).train()
@@ -463,12 +463,14 @@ def compiled_train_rows(dev, dtype, configs, target_s) -> list[dict]:
             with SyncCount(dev) as sc:
                 step()
             row[key]["syncs_per_step"] = sc.n
+            if dev.type == "cuda":  # a step whose wall time exceeds its kernels' is host-bound
+                row[key]["kernels_ms"] = kernel_times(step, steps=3, top=0)["total_ms"]
             steps[key] = step
         for key, times in _rounds(steps, dev, target_s).items():
             row[key].update(ms=median([t[0] for t in times]), wall_ms=median([t[1] for t in times]))
         for key in steps:
             row[f"{key}_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row[key]["wall_ms"]
-        if "unpad_ro" in steps:
+        if "unpad_ro" in steps and "sdpa_ro" in steps:
             row["unpad_ro_over_sdpa_ro_speed"] = row["sdpa_ro"]["wall_ms"] / row["unpad_ro"]["wall_ms"]
         del steps, step, model, opt, compiled
         if dev.type == "cuda":
@@ -698,7 +700,11 @@ def main() -> None:
     if "train_compiled" in only:
         configs = ([("tiny", 2, 64, 2, 4, 16)] if a.smoke
                    else [("bert-large", 24, 1024, 16, 32, 512), ("bert-base", 12, 768, 12, 64, 256)])
-        res["train_compiled"] = compiled_train_rows(dev, dtype, configs, 0.05 if a.smoke else a.target_s)
+        # each compile takes about a minute: TRAIN_COMPILED_MODELS / _KEYS pick rows and implementations
+        models = os.environ.get("TRAIN_COMPILED_MODELS")
+        configs = [c for c in configs if models is None or c[0] in models.split(",")]
+        keys = os.environ.get("TRAIN_COMPILED_KEYS", "sdpa,sdpa_ro,unpad,unpad_ro").split(",")
+        res["train_compiled"] = compiled_train_rows(dev, dtype, configs, 0.05 if a.smoke else a.target_s, keys)
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "host.json").write_text(json.dumps(res, indent=1))

@@ -172,6 +172,45 @@ def test_later_training_layers_repeat_the_first_layers_resolution_and_match(monk
     assert hits == [False, True, True, True, False, True, True], hits
 
 
+@pytest.mark.parametrize("backend", ["auto", *_backends(), "varlen"])
+def test_dispatched_layers_repeat_the_first_layers_resolution_and_match(monkeypatch, backward_kernel, backend):
+    """Inductor calls the op through the dispatcher at every layer: the training
+    and inference ops' CUDA kernels take the same repeat lookup as eager calls
+    after a layer's first, and match float64 autograd; an in-place edit of the
+    offsets is not a repeat (the full path plans the new layout)."""
+    from ragged_compile import ops, steps
+
+    lens = [64, 1, 0, 300, 17, 100]
+    hits = []
+
+    def spy(*a):
+        got = steps.repeated_training_call(*a)
+        hits.append(got is not None)
+        return got
+
+    monkeypatch.setattr(ops, "repeated_training_call", spy)
+    lse_op = torch.ops.ragged_compile.ragged_attention_lse
+    rt = Runtime(backend=backend)
+    with rt.step():
+        cu = _cu(lens)
+        for i in range(5):
+            if i == 3:
+                cu[1:].copy_(_cu([1, 64, 300, 0, 100, 17])[1:])  # equal totals, another layout
+            q, k, v, _, _ = _case(lens, lens, 8, 2, 64, seed=i)
+            out = lse_op(q, k, v, cu, cu, True, 64**-0.5)[0]
+            g = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=torch.Generator("cuda").manual_seed(i))
+            out.backward(g)
+            want_out, *want = dense_gradients(g, q, k, v, cu, cu, True, 64**-0.5)
+            assert _rel(out.detach(), want_out) < 2e-2, i
+            _assert_close_grads([t.grad for t in (q, k, v)], want, q.dtype, f"{backend} dispatched layer {i}")
+        with torch.no_grad():
+            for i in range(2):
+                q, k, v, _, _ = _case(lens, lens, 8, 2, 64, seed=10 + i)
+                out = torch.ops.ragged_compile.ragged_attention(q, k, v, cu, cu, True, 64**-0.5)
+                assert _rel(out, dense_gradients(torch.zeros_like(q), q, k, v, cu, cu, True, 64**-0.5)[0]) < 2e-2
+    assert hits == [False, True, True, False, True], hits
+
+
 @pytest.mark.parametrize("backend", ["varlen", *_backends()])
 def test_layers_under_non_reentrant_checkpointing_train_as_without(monkeypatch, backend):
     """Four layers sharing one offsets tensor, each under non-reentrant activation

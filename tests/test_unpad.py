@@ -847,10 +847,10 @@ def test_cuda_training_under_reduce_overhead_across_layouts():
     torch._dynamo.reset()
     compiled = torch.compile(model, mode="reduce-overhead")
 
-    def step(m, kw):
+    def step(run, m, kw):
         m.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = m(**kw).loss
+            loss = run(**kw).loss
         loss.backward()
         return loss.detach().clone(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
@@ -863,12 +863,12 @@ def test_cuda_training_under_reduce_overhead_across_layouts():
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode(1 if i == 2 else 0)  # a replayed step
             try:
-                lout, gout = step(compiled, kw)
+                lout, gout = step(compiled, model, kw)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
         assert len(syncs) <= 1, syncs
-        lref, gref = step(ref, kw)
+        lref, gref = step(ref, ref, kw)
         torch.testing.assert_close(lout, lref, atol=2e-2, rtol=2e-2, msg=lambda m: f"{lengths}: {m}")
         assert gout.keys() == gref.keys()
         for n in gref:

@@ -645,8 +645,8 @@ def _markdown(res: dict) -> str:
         lines += ["", "## Training step, compiled (torch.compile, fused AdamW), padded, rotating rounds", "",
                   "`ro`: `mode=\"reduce-overhead\"` (Inductor's CUDA graphs, partitioned around our op). "
                   "Speeds against `\"sdpa\"` compiled in the default mode.", "",
-                  "| model | batch x L | implementation | ms | speed | syncs a step | first step s |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| model | batch x L | implementation | ms | kernels ms | speed | syncs a step | first step s |",
+                  "|---|---|---|---|---|---|---|---|"]
         names = {"sdpa": "`\"sdpa\"` padded", "sdpa_ro": "`\"sdpa\"` padded, ro", "unpad": "ours unpadded",
                  "unpad_ro": "ours unpadded, ro"}
         for r in res["train_compiled"]:
@@ -654,6 +654,7 @@ def _markdown(res: dict) -> str:
                 if key in r:
                     lines.append(
                         f"| {r['model']} | {r['batch']} x {r['length']} | {label} | {r[key]['wall_ms']:.1f} | "
+                        f"{r[key].get('kernels_ms', float('nan')):.1f} | "
                         f"{r[f'{key}_over_sdpa_speed']:.2f}x | {r[key]['syncs_per_step']} | {r[key]['first_step_s']} |"
                     )
     return "\n".join(lines) + "\n"

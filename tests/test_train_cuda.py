@@ -122,6 +122,21 @@ def test_gradients_match_float64_autograd(backward_kernel, backend, layout, caus
     _assert_close_grads([t.grad for t in (q, k, v)], want, q.dtype, what)
 
 
+def _spy_repeats(monkeypatch) -> list[bool]:
+    """Whether each of the op's ``steps.repeated_training_call`` lookups found a repeat, in order."""
+    from ragged_compile import steps
+
+    hits = []
+
+    def spy(*a):
+        got = steps.repeated_training_call(*a)
+        hits.append(got is not None)
+        return got
+
+    monkeypatch.setattr(rc.ops, "repeated_training_call", spy)
+    return hits
+
+
 @pytest.mark.parametrize("backend", ["auto", *_backends(), "varlen"])
 def test_later_training_layers_repeat_the_first_layers_resolution_and_match(monkeypatch, backward_kernel, backend):
     """A training forward's layers after its first with the same offsets resolve
@@ -131,17 +146,8 @@ def test_later_training_layers_repeat_the_first_layers_resolution_and_match(monk
     node), the op's autograd function otherwise. An in-place edit of the offsets is
     not a repeat; a q that is not contiguous is (its forward then takes the full
     path inside the autograd function where FlashInfer's replay refuses it)."""
-    from ragged_compile import steps
-
     lens = [64, 1, 0, 300, 17, 100]
-    hits = []
-
-    def spy(*a):
-        got = steps.repeated_training_call(*a)
-        hits.append(got is not None)
-        return got
-
-    monkeypatch.setattr(rc.ops, "repeated_training_call", spy)
+    hits = _spy_repeats(monkeypatch)
 
     def check(q, k, v, cu, out, i):
         g = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=torch.Generator("cuda").manual_seed(i))
@@ -178,17 +184,8 @@ def test_dispatched_layers_repeat_the_first_layers_resolution_and_match(monkeypa
     and inference ops' CUDA kernels take the same repeat lookup as eager calls
     after a layer's first, and match float64 autograd; an in-place edit of the
     offsets is not a repeat (the full path plans the new layout)."""
-    from ragged_compile import ops, steps
-
     lens = [64, 1, 0, 300, 17, 100]
-    hits = []
-
-    def spy(*a):
-        got = steps.repeated_training_call(*a)
-        hits.append(got is not None)
-        return got
-
-    monkeypatch.setattr(ops, "repeated_training_call", spy)
+    hits = _spy_repeats(monkeypatch)
     lse_op = torch.ops.ragged_compile.ragged_attention_lse
     rt = Runtime(backend=backend)
     with rt.step():

@@ -45,12 +45,14 @@ the plumbing. Writes ``host.json`` (every number, the environment) and
 
 from __future__ import annotations
 
+import collections
 import importlib
 import json
 import os
 import pathlib
 import sys
 import time
+import traceback
 import warnings
 
 import torch
@@ -79,16 +81,27 @@ def per_call_us(fn, dev, reps: int) -> float:
 
 
 class SyncCount:
-    """Device-to-host syncs inside the block (CUDA's sync debug mode, counted)."""
+    """Device-to-host syncs inside the block (CUDA's sync debug mode, counted):
+    ``n``, and ``sources``, a Counter of where each came from (the innermost
+    frames of this repository, transformers or the benchmark)."""
 
     def __init__(self, dev):
-        self.dev, self.n = dev, 0
+        self.dev, self.n, self.sources = dev, 0, collections.Counter()
+
+    def _seen(self, message, *args, **kwargs):
+        if "called a synchronizing" not in str(message):
+            return
+        self.n += 1
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if any(part in f.filename for part in ("ragged_compile", "transformers", "bench"))]
+        self.sources[" < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[-3:][::-1])] += 1
 
     def __enter__(self):
         if self.dev.type == "cuda":
-            self._w = warnings.catch_warnings(record=True)
-            self._log = self._w.__enter__()
+            self._w = warnings.catch_warnings()
+            self._w.__enter__()
             warnings.simplefilter("always")
+            warnings.showwarning = self._seen
             torch.cuda.set_sync_debug_mode(1)
         return self
 
@@ -96,7 +109,6 @@ class SyncCount:
         if self.dev.type == "cuda":
             torch.cuda.set_sync_debug_mode(0)
             self._w.__exit__(*exc)
-            self.n = sum("called a synchronizing" in str(w.message) for w in self._log)
         return False
 
 

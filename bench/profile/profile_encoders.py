@@ -29,7 +29,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_host import _bert, _padded_batch, _rounds, train_step
+from bench_host import SyncCount, _bert, _padded_batch, _rounds, train_step
 from env import environment
 from timing import gpu_queued_ms, kernel_times, median
 
@@ -65,41 +65,21 @@ def _host_ops(fn, steps=3, top=25) -> list:
 
 
 def _syncs(fn, steps=2, top=8) -> dict:
-    """Device-to-host syncs per call (CUDA's sync debug mode) and where they come
-    from: the innermost frames of this repository or transformers, by count; plus
+    """Device-to-host syncs per call and where they come from (``SyncCount``), plus
     the default runtime's counters per call (plans, its own offset reads)."""
-    import collections
-    import traceback
-    import warnings
-
     from ragged_compile.runtime import get_runtime
 
     fn()
     torch.cuda.synchronize()
     rt = get_runtime(torch.device("cuda"))
     before = dict(rt.stats)
-    sources = collections.Counter()
-
-    def seen(message, *a, **k):
-        if "called a synchronizing" not in str(message):
-            return
-        frames = [f for f in traceback.extract_stack()[:-1]
-                  if "ragged_compile" in f.filename or "transformers" in f.filename or "bench" in f.filename]
-        sources[" < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[-3:][::-1])] += 1
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = seen
-        torch.cuda.set_sync_debug_mode(1)
-        try:
-            for _ in range(steps):
-                fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+    with SyncCount(torch.device("cuda")) as sc:
+        for _ in range(steps):
+            fn()
     torch.cuda.synchronize()
     stats = {k: (v - before.get(k, 0)) / steps for k, v in rt.stats.items() if v != before.get(k, 0)}
-    return {"per_call": sum(sources.values()) / steps,
-            "sources": [(src, n / steps) for src, n in sources.most_common(top)], "runtime_stats_per_call": stats}
+    return {"per_call": sc.n / steps, "sources": [(src, n / steps) for src, n in sc.sources.most_common(top)],
+            "runtime_stats_per_call": stats}
 
 
 def _profile(fns: dict, dev, target_s: float) -> dict:
@@ -146,7 +126,7 @@ def modernbert_rows(dev, dtype, smoke, target_s, train=False) -> dict:
 
 
 def bert_train_row(dev, dtype, smoke, target_s, large=True, compiled=False) -> dict:
-    """The unpadding issue's training steps: BERT-large 32 x 512 (or BERT-base
+    """Padded-batch training steps: BERT-large 32 x 512 (or BERT-base
     64 x 256) at half padding, fused AdamW, hidden dropout 0.1 (BertConfig's
     default), attention dropout 0; ``compiled``: each model ``torch.compile``d,
     with Dynamo's graph and graph-break counts."""

@@ -26,7 +26,8 @@ Rows (``--only`` picks sections):
   and foreach AdamW (``torch.optim``'s).
 * ``train_compiled`` (not in the default ``--only``): the BERT-large and
   BERT-base steps of ``train`` with both models compiled (``torch.compile``):
-  ``"sdpa"`` padded against ours unpadded, fused AdamW.
+  ``"sdpa"`` padded against ours unpadded, fused AdamW, each also with
+  ``mode="reduce-overhead"``; the unpadded step also given the mask on the CPU.
 * ``graphs`` (not in the default ``--only``): CUDA graphs through ``hf.graphed``.
   BERT-base forward ms at 64 x 48, 64 x 128 and 16 x 512 (lengths L/2..L, each
   shape its own bucket) against ``"sdpa"`` eager, the graphed call given the
@@ -387,12 +388,14 @@ def _rounds(fns: dict, dev, target_s: float, rounds: int = 5) -> dict:
     return interleaved(fns, rounds, host)
 
 
-def train_step(model, opt, ids, mask):
+def train_step(model, opt, ids, mask, model_mask=None):
     """One training step of an encoder on a padded batch (forward, a loss over valid
-    positions, backward, ``opt``), as a closure to time."""
+    positions, backward, ``opt``), as a closure to time. ``model_mask``: the mask the
+    model gets, where not ``mask`` (its host copy)."""
+    given = mask if model_mask is None else model_mask
 
     def step():
-        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        out = model(input_ids=ids, attention_mask=given).last_hidden_state
         (out.float() * mask[..., None]).pow(2).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -415,12 +418,12 @@ def train_rows(dev, dtype, configs, target_s) -> list[dict]:
         for optim in ("fused", "foreach"):
             row = {"model": label, "batch": b, "length": s, "real_tokens": int(lens.sum()), "optim": optim}
             steps = {}
-            for key in ("sdpa", "ours", "unpad"):
+            for key in ("sdpa", "ours", "unpad") + (("unpad_host",) if dev.type == "cuda" else ()):
                 model = _bert(dev, dtype, layers, hidden, heads, "sdpa" if key == "sdpa" else name).train()
-                if key == "unpad":
+                if key.startswith("unpad"):
                     hf.unpad(model)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **{optim: True})
-                step = train_step(model, opt, ids, mask)
+                step = train_step(model, opt, ids, mask, mask.cpu() if key.endswith("_host") else None)
                 for _ in range(3):
                     step()
                 with SyncCount(dev) as sc:
@@ -429,8 +432,8 @@ def train_rows(dev, dtype, configs, target_s) -> list[dict]:
                 steps[key] = step
             for key, times in _rounds(steps, dev, target_s).items():
                 row[key].update(ms=median([t[0] for t in times]), wall_ms=median([t[1] for t in times]))
-            row["ours_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["ours"]["wall_ms"]
-            row["unpad_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row["unpad"]["wall_ms"]
+            for key in steps:
+                row[f"{key}_over_sdpa_speed"] = row["sdpa"]["wall_ms"] / row[key]["wall_ms"]
             del steps, step, model, opt
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
@@ -439,15 +442,18 @@ def train_rows(dev, dtype, configs, target_s) -> list[dict]:
     return rows
 
 
-def compiled_train_rows(dev, dtype, configs, target_s, keys=("sdpa", "sdpa_ro", "unpad", "unpad_ro")) -> list[dict]:
+def compiled_train_rows(dev, dtype, configs, target_s,
+                        keys=("sdpa", "sdpa_ro", "unpad", "unpad_ro", "unpad_ro_host")) -> list[dict]:
     """The training steps of :func:`train_rows` with the model compiled, fused AdamW:
     ``"sdpa"`` padded against ours unpadded, each with ``torch.compile(model)``
     (``sdpa``, ``unpad``) and with ``mode="reduce-overhead"`` (``sdpa_ro``,
     ``unpad_ro``: Inductor's CUDA graphs, partitioned around our op, which runs
     between them). Unpadding's mask read is a graph break before the compiled
-    model. A step whose kernels take less time than the host needs to launch them
-    (a compiled step still launches several hundred kernels and extern calls) is
-    host-bound; the graphs take that host work away."""
+    model; ``unpad_host`` / ``unpad_ro_host`` hand the model the mask on the CPU
+    (the loss keeps the GPU's), so that read waits for no queued GPU work. A step
+    whose kernels take less time than the host needs to launch them (a compiled
+    step still launches several hundred kernels and extern calls) is host-bound;
+    the graphs take that host work away."""
     from ragged_compile import hf
 
     name = hf.register()
@@ -457,15 +463,15 @@ def compiled_train_rows(dev, dtype, configs, target_s, keys=("sdpa", "sdpa_ro", 
         row = {"model": label, "batch": b, "length": s, "real_tokens": int(lens.sum()), "optim": "fused"}
         steps = {}
         for key in ("sdpa",) + tuple(k for k in keys if k != "sdpa"):  # speeds are against "sdpa"
-            if key.endswith("_ro") and dev.type != "cuda":
+            if ("_ro" in key or key.endswith("_host")) and dev.type != "cuda":
                 continue
             model = _bert(dev, dtype, layers, hidden, heads, "sdpa" if key.startswith("sdpa") else name).train()
             if key.startswith("unpad"):
                 hf.unpad(model)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
-            compiled = torch.compile(model, mode="reduce-overhead" if key.endswith("_ro") else None)
+            compiled = torch.compile(model, mode="reduce-overhead" if "_ro" in key else None)
 
-            step = train_step(compiled, opt, ids, mask)
+            step = train_step(compiled, opt, ids, mask, mask.cpu() if key.endswith("_host") else None)
             t0 = time.perf_counter()
             step()
             _sync(dev)
@@ -653,6 +659,11 @@ def _markdown(res: dict) -> str:
                 f"{r['unpad']['wall_ms']:.1f} | {r['ours_over_sdpa_speed']:.2f}x | {r['unpad_over_sdpa_speed']:.2f}x | "
                 f"{r['sdpa']['syncs_per_step']}, {r['ours']['syncs_per_step']}, {r['unpad']['syncs_per_step']} |"
             )
+        hosted = [r for r in res["train"] if "unpad_host" in r]
+        if hosted:
+            lines += ["", "Unpadded, the model given the mask on the CPU: " + ", ".join(
+                f"{r['model']} {r['optim']} {r['unpad_host']['wall_ms']:.1f} ms ({r['unpad_host_over_sdpa_speed']:.2f}x, "
+                f"{r['unpad_host']['syncs_per_step']} syncs)" for r in hosted)]
     if "train_compiled" in res:
         lines += ["", "## Training step, compiled (torch.compile, fused AdamW), padded, rotating rounds", "",
                   "`ro`: `mode=\"reduce-overhead\"` (Inductor's CUDA graphs, partitioned around our op). "
@@ -660,7 +671,8 @@ def _markdown(res: dict) -> str:
                   "| model | batch x L | implementation | ms | kernels ms | speed | syncs a step | first step s |",
                   "|---|---|---|---|---|---|---|---|"]
         names = {"sdpa": "`\"sdpa\"` padded", "sdpa_ro": "`\"sdpa\"` padded, ro", "unpad": "ours unpadded",
-                 "unpad_ro": "ours unpadded, ro"}
+                 "unpad_ro": "ours unpadded, ro", "unpad_host": "ours unpadded, mask on the CPU",
+                 "unpad_ro_host": "ours unpadded, ro, mask on the CPU"}
         for r in res["train_compiled"]:
             for key, label in names.items():
                 if key in r:
@@ -716,7 +728,7 @@ def main() -> None:
         # each compile takes about a minute: TRAIN_COMPILED_MODELS / _KEYS pick rows and implementations
         models = os.environ.get("TRAIN_COMPILED_MODELS")
         configs = [c for c in configs if models is None or c[0] in models.split(",")]
-        keys = os.environ.get("TRAIN_COMPILED_KEYS", "sdpa,sdpa_ro,unpad,unpad_ro").split(",")
+        keys = os.environ.get("TRAIN_COMPILED_KEYS", "sdpa,sdpa_ro,unpad,unpad_ro,unpad_ro_host").split(",")
         res["train_compiled"] = compiled_train_rows(dev, dtype, configs, 0.05 if a.smoke else a.target_s, keys)
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,10 @@ and its outputs come back in the caller's ``[B, S, ...]`` shape with zeros at
 padded positions. Heads run on those padded outputs.
 
 The mask is read on the host once per forward (the packed total must be known:
-one device-to-host copy of the row lengths and a few checks); everything else is
+one device-to-host copy of the row lengths and a few checks). That read waits for
+the GPU's queued work. A mask passed on the CPU with the inputs on the GPU needs
+no read: the host packs the next batch while the GPU still runs the last one's
+work (what a training loop wants). Everything else is
 device arithmetic, nothing per layer, and on CUDA the runtime plans from the host
 offsets of that read (``Runtime.know_offsets``). Llama and Mistral build their
 causal mask themselves, so transformers reads the packed position ids once more
@@ -408,6 +411,8 @@ def _head_checks(state, call, ctx, valid):
     elif head.reads == "last_non_pad":
         pad = state.base.config.get_text_config().pad_token_id
         ids = call.get("input_ids")
+        if ids is not None:
+            ids = ids.to(valid.device)  # a mask on the host: this head's check reads the ids
         if pad is None or ids is None:
             last = torch.full((b,), s - 1, device=valid.device)
         else:
@@ -436,6 +441,12 @@ def _window(config) -> int | None:
     return int(w)
 
 
+def _to_device(x, device):
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)  # no wait for the queued GPU work
+    return x.to(device)
+
+
 @torch.compiler.disable
 def _plan(state, call, ctx):
     """The packed call (``call``, ``flat``, ``valid``); an encoder's call without its
@@ -444,13 +455,22 @@ def _plan(state, call, ctx):
     under torch.compile): the one host read of the mask's lengths is here."""
     if any(call.get(k) is not None for k in _PACKED_KWARGS) or call.get("attention_mask") is None:
         return None  # packed already, or no padding: runs as given
+    mask = call["attention_mask"]
+    ref = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
+    moved = None
+    if isinstance(mask, torch.Tensor) and isinstance(ref, torch.Tensor) and mask.device != ref.device:
+        # A mask the caller keeps on the host (ids on the GPU): it is read for free, and
+        # a call that runs padded gets it where the model computes.
+        if mask.device.type != "cpu":
+            raise ValueError(f"ragged_compile.hf.unpad: attention_mask is on {mask.device}, the inputs on "
+                             f"{ref.device}; pass it on the inputs' device or on the CPU")
+        moved = {"call": {**call, "attention_mask": _to_device(mask, ref.device)}}
     reason = _static_reason(state, call, ctx)
     detail = ""
     if reason is None:
-        mask = call["attention_mask"]
         b, s = mask.shape
         if b == 0 or s == 0:
-            return None
+            return moved
         from .hf import _host_runs
 
         valid = mask != 0
@@ -458,10 +478,13 @@ def _plan(state, call, ctx):
         flags = [*checks, *label_checks]
         # The one host read: the mask (as bools) and the head's checks. Runs, totals and
         # the packed indices are host work on that copy (numpy: a few microseconds),
-        # where a dozen small kernels each cost a launch.
+        # where a dozen small kernels each cost a launch. A mask on the host costs no
+        # read (a head's checks on device tensors still do).
         host = (torch.cat([valid.flatten(), torch.stack(flags)]) if flags else valid).cpu().numpy()
         host_valid = host[:b * s].reshape(b, s)
         checks, label_checks = host[b * s:b * s + len(checks)], host[b * s + len(checks):]
+        if moved is not None:
+            valid = moved["call"]["attention_mask"] != 0
         runs = _host_runs(host_valid, s, False)  # each row's (start, count); None: not padding
         if runs is None:
             reason = "valid tokens are not one run per row"
@@ -473,9 +496,9 @@ def _plan(state, call, ctx):
                 # runs without it, so its attention reads no mask again (transformers
                 # treats None as every key valid; hf.py runs dense SDPA on such rows, as
                 # stock does). A decoder keeps it: without it, it would read position_ids.
-                return None if state.family.causal else {"call": {**call, "attention_mask": None}}
+                return moved if state.family.causal else {"call": {**call, "attention_mask": None}}
             if total == 0:
-                return None
+                return moved
             if not checks.all():
                 reason = "head reads a padded position"
                 detail = _READS[(ctx["head"] if ctx is not None else _FIRST).reads]
@@ -487,7 +510,7 @@ def _plan(state, call, ctx):
                     reason = "sliding window shorter than a sequence"
     if reason is not None:
         _warn(reason, state.top, detail)
-        return None
+        return moved
     return _pack(state, call, valid, host_valid, n, longest)
 
 

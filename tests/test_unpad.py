@@ -3,6 +3,7 @@ same weights run padded on "sdpa" (fp32, every output at valid positions, zeros 
 padded ones), the packed path seen at our op (T tokens, not B * S), and every
 fallback reason with its WARNING and the padded call's values."""
 
+import copy
 import logging
 
 import pytest
@@ -767,29 +768,93 @@ def test_cuda_training_gradients(family, suffix):
         torch.testing.assert_close(gout[n], gref[n], atol=5e-2, rtol=5e-2, msg=lambda m: f"{n}: {m}")
 
 
+def _cuda_syncs(fn) -> list[str]:
+    """The device syncs of a call of ``fn`` (after two warm calls), by message."""
+    import warnings
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    # the first switch to debug mode in a process also warns that the mode is a prototype
+    return [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("family,suffix,left", [("bert", "Model", False), ("qwen3", "ForCausalLM", True)])
 def test_cuda_one_sync_per_forward(family, suffix, left):
-    import warnings
-
     model = hf_unpad.unpad(_cuda_model(family, suffix))
     kw = _cuda_inputs(family, [40, 17, 64, 9], 64, left)
     if family in DECODERS:
         kw["use_cache"] = False
     with torch.no_grad():
-        for _ in range(2):
-            model(**kw)
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode(1)
-            try:
-                model(**kw)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-    # the first switch to debug mode in a process also warns that the mode is a prototype
-    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+        syncs = _cuda_syncs(lambda: model(**kw))
     assert len(syncs) <= 1, syncs
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family,suffix,left", [("bert", "Model", False), ("qwen3", "ForCausalLM", True),
+                                                ("roberta", "ForMaskedLM", True)])
+def test_cuda_mask_on_the_host_reads_nothing_back(family, suffix, left):
+    """The mask on the CPU, the ids on the GPU: packed as with the mask on the GPU
+    (the same output, bit for bit), with no device sync in the forward."""
+    model = hf_unpad.unpad(_cuda_model(family, suffix))
+    kw = _cuda_inputs(family, [40, 17, 64, 9], 64, left)
+    if family in DECODERS:
+        kw["use_cache"] = False
+    host = {**kw, "attention_mask": kw["attention_mask"].cpu()}
+    valid = host["attention_mask"].bool()
+    with torch.no_grad():
+        ref = model(**kw)
+        with Tokens() as t:
+            out = model(**host)
+        assert packed(t.rows, valid)
+        syncs = _cuda_syncs(lambda: model(**host))
+    assert syncs == [], syncs
+    k = "logits" if "logits" in ref else "last_hidden_state"
+    assert torch.equal(out[k], ref[k])
+
+
+@pytest.mark.cuda
+def test_cuda_mask_on_the_host_in_training_and_in_a_padded_fallback():
+    """Training with the mask on the host: the loss and every gradient of the packed
+    step equal those with the mask on the GPU. A call that runs padded (a [CLS]
+    classifier on a left-padded batch) gets the mask on the inputs' device."""
+    model = _cuda_model("bert", "ForMaskedLM").train()
+    hf_unpad.unpad(model)
+    kw = _cuda_inputs("bert", [30, 7, 48, 2], 48)
+    kw["labels"] = kw["input_ids"].masked_fill(~kw["attention_mask"].bool(), -100)
+
+    def step(mask):
+        model.zero_grad()
+        with Tokens() as t:
+            loss = model(**{**kw, "attention_mask": mask}).loss
+        loss.backward()
+        assert packed(t.rows, kw["attention_mask"].bool().cpu())
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    lref, gref = step(kw["attention_mask"])
+    lout, gout = step(kw["attention_mask"].cpu())
+    # FlashAttention-2's backward accumulates dq in any order: equal up to that
+    torch.testing.assert_close(lout, lref, atol=1e-3, rtol=1e-3)
+    assert gout.keys() == gref.keys()
+    for n in gref:
+        torch.testing.assert_close(gout[n], gref[n], atol=2e-2, rtol=2e-2, msg=lambda m: f"{n}: {m}")
+
+    cls = _cuda_model("bert", "ForSequenceClassification")
+    ref_cls = copy.deepcopy(cls)
+    hf_unpad.unpad(cls)
+    kw = _cuda_inputs("bert", [30, 7, 48, 2], 48, left=True)
+    with torch.no_grad():
+        out = cls(**{**kw, "attention_mask": kw["attention_mask"].cpu()}).logits
+        ref = ref_cls(**kw).logits
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.cuda

@@ -4,11 +4,9 @@ bench_attention.py's results, and one-line log records."""
 from __future__ import annotations
 
 import datetime
-import math
 import sys
 
 from env import environment
-from harness import err_str
 from variants import IMPL_NAMES
 
 

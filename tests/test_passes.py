@@ -11,7 +11,6 @@ import logging
 import pytest
 import torch
 import torch.nested._internal.sdpa as njt_sdpa
-import torch.nn.functional as F
 from _njt_models import SelfAttentionLayer, dense_reference, encoder, njt
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import SDPBackend

@@ -25,7 +25,6 @@ from torch._inductor.utils import run_and_get_code
 
 import ragged_compile
 from ragged_compile import compiler, logs, njt as rc_njt
-from ragged_compile.passes import RaggedAttentionPasses
 
 E, H = 32, 4
 ATOL = 2e-5

@@ -15,8 +15,11 @@ BERT-base's (BERT-large's) step with both models compiled (``torch.compile``),
 with Dynamo's graph and graph-break counts, beside the unpadded step in eager;
 ``st_train`` (``st_train_compiled``) the sentence-transformers fine-tuning step
 of ``bench_unpad.py``. Each row counts device-to-host syncs per call and where
-they come from. On CUDA the ModernBERT forward row adds ``unpad_host``: the
-unpadded model given the mask on the CPU.
+they come from, and the host's Python functions by own time (cProfile:
+``python_top``, as (function, calls, own ms, cumulative ms) per call). On CUDA
+the ModernBERT forward row adds ``unpad_host``: the unpadded model given the mask
+on the CPU; ``bert_base_train_ro_host`` compiles the unpadded BERT-base step with
+``mode="reduce-overhead"`` and gives it the mask on the CPU.
 """
 
 from __future__ import annotations
@@ -65,6 +68,27 @@ def _host_ops(fn, steps=3, top=25) -> list:
     return [(e.key[:80], e.count // steps, round(e.self_cpu_time_total / steps / 1e3, 3)) for e in evs]
 
 
+def _python_top(fn, steps=3, top=25) -> list:
+    """The host's Python functions by own time per call (cProfile): where a step's
+    host time goes between and around the kernels' launches (graph replays, our op's
+    Python, the optimizer)."""
+    import cProfile
+    import pstats
+
+    fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    prof.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [(f"{os.path.basename(f)}:{line}({name})", round(nc / steps, 1), round(tt / steps * 1e3, 3),
+             round(ct / steps * 1e3, 3)) for (f, line, name), (cc, nc, tt, ct, _) in rows]
+
+
 def _syncs(fn, steps=2, top=8) -> dict:
     """Device-to-host syncs per call and where they come from (``SyncCount``), plus
     the default runtime's counters per call (plans, its own offset reads)."""
@@ -92,7 +116,7 @@ def _profile(fns: dict, dev, target_s: float) -> dict:
             # gpu_ms: a call with a sync inside (unpadding's mask read) issues what
             # follows the sync at the host's pace, so there kernels' total_ms is the GPU time
             res[key].update(gpu_ms=gpu_queued_ms(fn, reps=5), kernels=kernel_times(fn, steps=3, top=30),
-                            host_ops=_host_ops(fn), syncs=_syncs(fn))
+                            host_ops=_host_ops(fn), python_top=_python_top(fn), syncs=_syncs(fn))
     for key in fns:
         res[key]["speed_over_sdpa"] = round(res["sdpa"]["wall_ms"] / res[key]["wall_ms"], 3)
     return res
@@ -129,11 +153,12 @@ def modernbert_rows(dev, dtype, smoke, target_s, train=False) -> dict:
     return row
 
 
-def bert_train_row(dev, dtype, smoke, target_s, large=True, compiled=False) -> dict:
+def bert_train_row(dev, dtype, smoke, target_s, large=True, compiled=False, ro_host=False) -> dict:
     """Padded-batch training steps: BERT-large 32 x 512 (or BERT-base
     64 x 256) at half padding, fused AdamW, hidden dropout 0.1 (BertConfig's
     default), attention dropout 0; ``compiled``: each model ``torch.compile``d,
-    with Dynamo's graph and graph-break counts."""
+    with Dynamo's graph and graph-break counts; ``ro_host``: the unpadded one with
+    ``mode="reduce-overhead"`` and given the mask on the CPU (CUDA)."""
     name = hf.register()
     layers, hidden, heads, b, s = (24, 1024, 16, 32, 512) if large else (12, 768, 12, 64, 256)
     if smoke:
@@ -150,9 +175,10 @@ def bert_train_row(dev, dtype, smoke, target_s, large=True, compiled=False) -> d
             from torch._dynamo.utils import counters
 
             counters.clear()
-            run = torch.compile(model)
+            ro = ro_host and key == "unpad" and dev.type == "cuda"
+            run = torch.compile(model, mode="reduce-overhead" if ro else None)
 
-        step = train_step(run, opt, ids, mask)
+        step = train_step(run, opt, ids, mask, mask.cpu() if ro_host and key == "unpad" and dev.type == "cuda" else None)
         if compiled and key != "unpad_eager":
             for _ in range(3):
                 step()
@@ -160,7 +186,8 @@ def bert_train_row(dev, dtype, smoke, target_s, large=True, compiled=False) -> d
                            "graph_breaks": sum(counters["graph_break"].values()),
                            "break_reasons": [r[:160] for r in counters["graph_break"]]}
         fns[key] = step
-    row = {"model": "bert-large" if large else "bert-base", "train": True, "compiled": compiled, "batch": b,
+    row = {"model": "bert-large" if large else "bert-base", "train": True, "compiled": compiled, "ro_host": ro_host,
+           "batch": b,
            "length": s, "real_tokens": int(lens.sum())}
     row.update(_profile(fns, dev, target_s))
     for key, g in graphs.items():
@@ -205,6 +232,8 @@ def main() -> None:
             row = bert_train_row(dev, dtype, a.smoke, a.target_s)
         elif kind == "bert_base_train_compiled":
             row = bert_train_row(dev, dtype, a.smoke, a.target_s, large=False, compiled=True)
+        elif kind == "bert_base_train_ro_host":
+            row = bert_train_row(dev, dtype, a.smoke, a.target_s, large=False, compiled=True, ro_host=True)
         elif kind == "bert_large_train_compiled":
             row = bert_train_row(dev, dtype, a.smoke, a.target_s, compiled=True)
         elif kind in ("st_train", "st_train_compiled"):

@@ -27,7 +27,6 @@ equal here (under Triton's interpreter).
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch

@@ -23,8 +23,9 @@ BERT classifiers, side by side in one process (BERT encoders: ``bench_host.py``)
   ``"sdpa"`` and ours unpadded each compiled (``torch.compile``, as the trainer's
   ``torch_compile=True``), warmed over every batch first.
 * ``full``: rows with no padding at all (BERT-base 64 x 256, BERT-large 32 x 512):
-  ``"sdpa"``, ours, ours unpadded, forward ms: what an unpadded model costs where
-  there is nothing to remove.
+  ``"sdpa"``, ours, ours unpadded (on CUDA also given the mask on the CPU:
+  ``unpad_host``), forward ms: what an unpadded model costs where there is
+  nothing to remove.
 
 Random weights, bf16 on CUDA (float32 on CPU, where ``--smoke`` checks the
 plumbing on tiny sizes). Writes ``unpad.json`` and ``unpad.md`` to ``--out``.
@@ -60,15 +61,16 @@ def _left_padded(b, s, vocab, dev, seed=0):
     return ids.to(dev), mask.to(dev)
 
 
-def _time_forwards(row: dict, models: dict, forward, dev, target_s) -> None:
+def _time_forwards(row: dict, models: dict, forward, dev, target_s, extra=None) -> None:
     """Each model's forward ms into ``row`` (no grad), ours' speed and max |diff| against
-    ``"sdpa"``, printed."""
+    ``"sdpa"``, printed; ``extra``: more forwards by key, timed beside them."""
     with torch.no_grad():
         fns = {key: (lambda m=m: forward(m)) for key, m in models.items()}
+        fns.update(extra or {})
         outs = {key: fn().float() for key, fn in fns.items()}
         for key, times in _rounds(fns, dev, target_s).items():  # rotating rounds: drift hits all alike
             row[f"{key}_ms"] = statistics.median(t[1] for t in times)
-    for key in ("ours", "unpad"):
+    for key in ("ours", "unpad", *(extra or {})):
         row[f"{key}_over_sdpa_speed"] = row["sdpa_ms"] / row[f"{key}_ms"]
         row[f"{key}_max_diff"] = (outs[key] - outs["sdpa"]).abs().max().item()
     print(json.dumps(row), flush=True)
@@ -288,7 +290,12 @@ def full_rows(dev, dtype, smoke, target_s) -> list[dict]:
         ids = torch.randint(5, cfg["vocab_size"], (b, s), generator=g).to(dev)
         mask = torch.ones(b, s, dtype=torch.long, device=dev)
         row = {"model": label, "batch": b, "length": s, "real_fraction": 1.0}
-        _time_forwards(row, models, lambda m: m(input_ids=ids, attention_mask=mask).last_hidden_state, dev, target_s)
+        extra = {}
+        if dev.type == "cuda":  # the mask as the tokenizer gives it: finding nothing to remove reads nothing back
+            host_mask = mask.cpu()
+            extra["unpad_host"] = lambda m=models["unpad"]: m(input_ids=ids, attention_mask=host_mask).last_hidden_state
+        _time_forwards(row, models, lambda m: m(input_ids=ids, attention_mask=mask).last_hidden_state, dev, target_s,
+                       extra)
         rows.append(row)
         del models
     return rows
@@ -333,6 +340,10 @@ def _markdown(res: dict) -> str:
         lines += [f"## {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for r in res[key]:
             lines.append("| " + " | ".join(cells(r) + _speeds(r, unit, digits) + (_diff(r) if diff else [])) + " |")
+        hosted = [r for r in res[key] if "unpad_host_ms" in r]
+        if hosted:
+            lines += ["", "Unpadded, the mask given on the CPU: " + ", ".join(
+                f"{r['model']} {r['unpad_host_ms']:.2f} ms ({r['unpad_host_over_sdpa_speed']:.2f}x)" for r in hosted)]
         lines.append("")
     return "\n".join(lines)
 

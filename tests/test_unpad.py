@@ -976,6 +976,15 @@ def test_one_host_read_per_forward_and_the_runtime_told_the_offsets(family, suff
 # -- layouts -------------------------------------------------------------------------------------
 
 
+def test_a_mask_on_another_device_than_the_inputs_and_not_the_cpu_is_an_error():
+    """The mask may sit on the CPU with the inputs elsewhere (read for free); any other
+    device apart from the inputs' says what to do."""
+    model = hf_unpad.unpad(build("bert"))
+    kw = inputs("bert", [5, 8], 8)
+    with pytest.raises(ValueError, match=r"attention_mask is on meta.*on the inputs' device or on the CPU"):
+        model(**{**kw, "attention_mask": kw["attention_mask"].to("meta")})
+
+
 def test_packed_total_beyond_max_positions_mixed_sides_and_empty_rows():
     """T = 300 tokens > max_position_embeddings (64); rows padded on either side or both
     ([pad | tokens | pad]); an empty row (no valid position: zeros)."""

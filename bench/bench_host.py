@@ -311,21 +311,17 @@ def hf_rows(dev, dtype, shapes, layers, hidden, heads, target_s, label="bert-bas
         valid = mask.bool()
         outs, fwds = {}, {}
         with torch.no_grad():
-            for impl, model in models.items():
-                fwds[impl] = fwd = lambda m=model: m(input_ids=ids, attention_mask=mask).last_hidden_state  # noqa: E731
+            runs = [(impl, model, mask) for impl, model in models.items()]
+            if dev.type == "cuda":  # the mask as the tokenizer gives it: no read waits for the GPU
+                runs.append(("unpad_host", models["unpad"], mask.cpu()))
+            for impl, model, given in runs:
+                fwds[impl] = fwd = lambda m=model, g=given: m(input_ids=ids, attention_mask=g).last_hidden_state  # noqa: E731
                 outs[impl] = fwd()
                 with SyncCount(dev) as sc:
                     fwd()
                 row[impl] = {"syncs_per_forward": sc.n}
                 if rt is not None and impl != "sdpa":
                     row[impl]["kernel"] = _kernel_of(rt, fwd)
-            if dev.type == "cuda":  # the mask as the tokenizer gives it: no read waits for the GPU
-                host_mask = mask.cpu()
-                fwds["unpad_host"] = fwd = lambda m=models["unpad"]: m(input_ids=ids, attention_mask=host_mask).last_hidden_state  # noqa: E731
-                outs["unpad_host"] = fwd()
-                with SyncCount(dev) as sc:
-                    fwd()
-                row["unpad_host"] = {"syncs_per_forward": sc.n}
             if rt is not None:
                 # ours on the ragged path (no SDPA for small batches: select.padded_kernel),
                 # with auto's kernel and with FlashInfer forced (a plan per forward)

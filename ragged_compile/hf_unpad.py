@@ -411,13 +411,12 @@ def _head_checks(state, call, ctx, valid):
     elif head.reads == "last_non_pad":
         pad = state.base.config.get_text_config().pad_token_id
         ids = call.get("input_ids")
-        if ids is not None:
-            ids = ids.to(valid.device)  # a mask on the host: this head's check reads the ids
         if pad is None or ids is None:
             last = torch.full((b,), s - 1, device=valid.device)
         else:
-            idx = torch.arange(s, device=valid.device, dtype=torch.int32)
-            last = (idx * (ids != pad).to(torch.int32)).argmax(-1)
+            idx = torch.arange(s, device=ids.device, dtype=torch.int32)
+            # a mask on the host: the b positions come to it (the one read this head costs)
+            last = (idx * (ids != pad).to(torch.int32)).argmax(-1).to(valid.device)
         checks.append(valid[torch.arange(b, device=valid.device), last].all())
     labels = ctx.get("labels") if ctx is not None else None
     per_token = isinstance(labels, torch.Tensor) and labels.dim() == 2 and tuple(labels.shape) == (b, s)
@@ -442,8 +441,9 @@ def _window(config) -> int | None:
 
 
 def _to_device(x, device):
+    """``x`` (on the host) on ``device``; on CUDA without waiting for queued GPU work."""
     if device.type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True)  # no wait for the queued GPU work
+        return x.pin_memory().to(device, non_blocking=True)
     return x.to(device)
 
 
@@ -526,9 +526,7 @@ def _pack(state, call, valid, host_valid, n, longest):
         # their host copy and hf.py need not copy them per forward.
         host_cu = torch.from_numpy(cu)
         idx, cu32 = torch.from_numpy(np.concatenate((flat, flat % s))), host_cu
-        if dev.type == "cuda":
-            idx = idx.pin_memory().to(dev, non_blocking=True)
-            cu32 = host_cu.pin_memory().to(dev, non_blocking=True)
+        idx, cu32 = _to_device(idx, dev), _to_device(host_cu, dev)
     total = len(flat)
     flat, col = idx[:total], idx[total:]  # col: the column in the padded row
     new = dict(call)

@@ -166,6 +166,7 @@ def bert_train_row(dev, dtype, smoke, target_s, large=True, compiled=False, ro_h
     ids, mask, lens = _padded_batch(b, s, dev, seed=1, low=0.0)
     fns, graphs = {}, {}
     for key in ("sdpa", "unpad") + (("unpad_eager",) if compiled else ()):
+        ro = ro_host and compiled and key == "unpad" and dev.type == "cuda"
         model = _bert(dev, dtype, layers, hidden, heads, "sdpa" if key == "sdpa" else name).train()
         if key != "sdpa":
             hf.unpad(model)
@@ -175,10 +176,9 @@ def bert_train_row(dev, dtype, smoke, target_s, large=True, compiled=False, ro_h
             from torch._dynamo.utils import counters
 
             counters.clear()
-            ro = ro_host and key == "unpad" and dev.type == "cuda"
             run = torch.compile(model, mode="reduce-overhead" if ro else None)
 
-        step = train_step(run, opt, ids, mask, mask.cpu() if ro_host and key == "unpad" and dev.type == "cuda" else None)
+        step = train_step(run, opt, ids, mask, mask.cpu() if ro else None)
         if compiled and key != "unpad_eager":
             for _ in range(3):
                 step()

@@ -22,6 +22,12 @@ BERT classifiers, side by side in one process (BERT encoders: ``bench_host.py``)
 * ``st_train_compiled`` (not in the default ``--only``): the same step with
   ``"sdpa"`` and ours unpadded each compiled (``torch.compile``, as the trainer's
   ``torch_compile=True``), warmed over every batch first.
+* ``st_train_ro`` (not in the default ``--only``): the step as a user runs it with
+  CUDA graphs: ``"sdpa"`` and ours unpadded eager, beside ours unpadded with
+  ``buckets=True`` and the transformer's forward compiled with
+  ``mode="reduce-overhead"`` (``unpad_ro``), and ``"sdpa"`` compiled the same way (``sdpa_ro``); the
+  compiled ones warmed over every batch first (their warm-up seconds and the
+  packed lengths seen are in the row).
 * ``full``: rows with no padding at all (BERT-base 64 x 256, BERT-large 32 x 512):
   ``"sdpa"``, ours, ours unpadded (on CUDA also given the mask on the CPU:
   ``unpad_host``), forward ms: what an unpadded model costs where there is
@@ -177,11 +183,14 @@ class _Said(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def st_train_steps(dev, dtype, smoke, compiled=False) -> list[tuple]:
+def st_train_steps(dev, dtype, smoke, compiled=False, warm: dict | None = None) -> list[tuple]:
     """``(key, step, features)`` for each implementation of the fine-tuning step:
-    ``"sdpa"``, ours (not when ``compiled``) and ours unpadded; ``compiled``: each
+    ``"sdpa"``, ours (not when ``compiled``) and ours unpadded; ``compiled=True``: each
     model compiled (``torch.compile``, as the trainer's ``torch_compile=True`` does),
-    warmed over every batch first (a recompile per new length, then dynamic)."""
+    warmed over every batch first (a recompile per new length, then dynamic);
+    ``compiled="ro"``: the ``st_train_ro`` keys (module docstring). ``warm``: each
+    warmed key's warm-up seconds, filled in."""
+    warm = {} if warm is None else warm
     import sentence_transformers as st
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
 
@@ -203,13 +212,20 @@ def st_train_steps(dev, dtype, smoke, compiled=False) -> list[tuple]:
             return st.SentenceTransformer(modules=[t, Pooling(t.get_embedding_dimension(), pooling_mode="mean")],
                                           device=str(dev))
 
-        models = {"sdpa": load("sdpa"), "unpad": load(name)} if compiled else \
-            {"sdpa": load("sdpa"), "ours": load(name), "unpad": load(name)}
-    hf.unpad(models["unpad"][0].auto_model)
+        keys = {"sdpa": "sdpa", "unpad": name, "unpad_ro": name, "sdpa_ro": "sdpa"} if compiled == "ro" else \
+            {"sdpa": "sdpa", "unpad": name} if compiled else {"sdpa": "sdpa", "ours": name, "unpad": name}
+        models = {key: load(attn) for key, attn in keys.items()}
+    for key, m in models.items():
+        if key.startswith("unpad"):
+            hf.unpad(m[0].auto_model, buckets=key == "unpad_ro")
+        if key.endswith("_ro"):
+            # the documented line (sentence-transformers calls the model's forward, not the
+            # module): the transformer compiled, its CUDA graphs cut at our op
+            m[0].auto_model.forward = torch.compile(m[0].auto_model.forward, mode="reduce-overhead")
     steps = []
     for key, m in models.items():
         m.train()
-        loss_fn = MultipleNegativesRankingLoss(torch.compile(m) if compiled else m)
+        loss_fn = MultipleNegativesRankingLoss(torch.compile(m) if compiled is True else m)
         # fused: the AdamW sentence-transformers' trainer (transformers' Trainer) runs by
         # default on torch >= 2.8 (optim="adamw_torch_fused")
         opt = torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True)
@@ -231,9 +247,12 @@ def st_train_steps(dev, dtype, smoke, compiled=False) -> list[tuple]:
             opt.zero_grad(set_to_none=True)
             return loss
 
-        if compiled:
+        if compiled is True or key.endswith("_ro"):
+            t0 = time.perf_counter()
             for _ in range(2 * batches):
                 step()
+            sync(dev)
+            warm[key] = time.perf_counter() - t0
         steps.append((key, step, feats))
     return steps
 
@@ -241,9 +260,23 @@ def st_train_steps(dev, dtype, smoke, compiled=False) -> list[tuple]:
 def st_train_rows(dev, dtype, smoke, compiled=False) -> list[dict]:
     """The fine-tuning step of :func:`st_train_steps`, timed in rotating rounds."""
     pairs, batches, _ = ST_TRAIN_SMOKE if smoke else ST_TRAIN
-    steps = st_train_steps(dev, dtype, smoke, compiled)
+    warm = {}
+    packed_lengths = set()
+    real_pack = hf_unpad._pack
+
+    def seen(*a):
+        out = real_pack(*a)
+        packed_lengths.add(out["call"]["position_ids"].shape[1])
+        return out
+
+    hf_unpad._pack = seen
+    try:
+        steps = st_train_steps(dev, dtype, smoke, compiled, warm)
+    finally:
+        hf_unpad._pack = real_pack
     models = [key for key, _, _ in steps]
     row = {"model": "bert-base", "compiled": compiled, "pairs_per_batch": pairs, "dropout": 0.1,
+           "warmup_s": warm, "packed_lengths_in_warmup": sorted(packed_lengths),
            "real_fraction": sum(float(x["attention_mask"].float().mean()) for f in steps[0][2] for x in f)
            / (2 * batches)}
     said = _Said()
@@ -324,6 +357,9 @@ _TABLES = {
     "st_train_compiled": ("the same step, each model compiled (torch.compile; ours padded not run)",
                           ["pairs a batch", "real tokens"],
                           lambda r: [str(r["pairs_per_batch"]), f"{r['real_fraction']:.0%}"], ("ms", 2), False),
+    "st_train_ro": ("the same step, ours unpadded with buckets=True and compiled with mode=\"reduce-overhead\" "
+                    "(`unpad_ro`); `\"sdpa\"` compiled the same way (`sdpa_ro`)", ["pairs a batch", "real tokens"],
+                    lambda r: [str(r["pairs_per_batch"]), f"{r['real_fraction']:.0%}"], ("ms", 2), False),
     "full": ("Full rows (no padding), forward", ["model", "batch x L"],
              lambda r: [r["model"], f"{r['batch']} x {r['length']}"], ("ms", 2), True),
 }
@@ -344,6 +380,13 @@ def _markdown(res: dict) -> str:
         if hosted:
             lines += ["", "Unpadded, the mask given on the CPU: " + ", ".join(
                 f"{r['model']} {r['unpad_host_ms']:.2f} ms ({r['unpad_host_over_sdpa_speed']:.2f}x)" for r in hosted)]
+        for r in res[key]:
+            ro = [k for k in ("unpad_ro", "sdpa_ro") if f"{k}_ms" in r]
+            if ro:
+                lines += ["", "Compiled with `mode=\"reduce-overhead\"`: " + ", ".join(
+                    f"`{k}` {r[k + '_ms']:.2f} ms ({r[k + '_over_sdpa_speed']:.2f}x `\"sdpa\"` eager, "
+                    f"warm-up {r['warmup_s'].get(k, 0):.0f} s)" for k in ro)
+                    + f"; packed lengths seen: {r['packed_lengths_in_warmup']}"]
         lines.append("")
     return "\n".join(lines)
 
@@ -360,6 +403,8 @@ def main() -> None:
         res["st_train"] = st_train_rows(dev, dtype, a.smoke)
     if "st_train_compiled" in only:
         res["st_train_compiled"] = st_train_rows(dev, dtype, a.smoke, compiled=True)
+    if "st_train_ro" in only:
+        res["st_train_ro"] = st_train_rows(dev, dtype, a.smoke, compiled="ro")
     if "full" in only:
         res["full"] = full_rows(dev, dtype, a.smoke, 0.05 if a.smoke else a.target_s)
     out = pathlib.Path(a.out)

@@ -163,7 +163,7 @@ def _window_runs_on_op(base, config, ref) -> bool:
 # -- public API -----------------------------------------------------------------
 
 
-def unpad(model, enabled: bool = True):
+def unpad(model, enabled: bool = True, *, buckets: bool = False):
     """Make `model` (a transformers model) run padded batches packed; returns `model`.
 
     In place and idempotent; ``unpad(model, enabled=False)`` undoes it. Takes the
@@ -174,6 +174,15 @@ def unpad(model, enabled: bool = True):
     :func:`ragged_compile.hf.register`, it is set to ``register()``'s (and put back
     by ``enabled=False``). Other classes are left untouched, said once at
     WARNING: their calls stay padded. Call it before ``torch.compile``.
+
+    ``buckets=True`` pads the packed row to one of a few lengths (at most 1/8
+    above the batch's real total, and at least 16 tokens apart) with filler
+    segments of at most ``FILLER_SEGMENT`` tokens whose outputs are dropped, so
+    that what is compiled or captured per shape (``mode="reduce-overhead"``'s
+    CUDA graphs) is reused by batches of other layouts: the packed model's
+    shapes take a few values where they took one per batch. Outputs are those
+    of ``buckets=False``. Calling ``unpad`` again with another ``buckets``
+    changes it.
     """
     from transformers import PreTrainedModel
 
@@ -189,6 +198,7 @@ def unpad(model, enabled: bool = True):
     if state is None:
         state = _State(model)
         model.__dict__["_ragged_unpad_state"] = state
+    state.buckets = bool(buckets)
     return model
 
 
@@ -243,6 +253,7 @@ class _State:
 
         self.top = top
         self.base = top.base_model
+        self.buckets = False
         self.family, self.head = _family_of(top)
         if self.family is not None and self.base is not top:
             base_family, _ = _family_of(self.base)
@@ -514,33 +525,65 @@ def _plan(state, call, ctx):
     return _pack(state, call, valid, host_valid, n, longest)
 
 
+FILLER_SEGMENT = 128  # tokens of one filler segment (buckets=True): its attention costs at most this per token
+
+
+def bucket(total: int) -> int:
+    """The packed length ``unpad(..., buckets=True)`` runs a batch of ``total`` valid
+    tokens at: ``total`` rounded up to a multiple of 2**(floor(log2(total)) - 3),
+    at least 16; eight lengths an octave, each at most 1/8 above the total."""
+    step = max(16, 1 << max(total.bit_length() - 4, 0))
+    return -(-total // step) * step
+
+
+def _fillers(total: int, most: int = FILLER_SEGMENT) -> np.ndarray:
+    """The lengths of the filler segments (each at most ``most`` tokens) that take
+    ``total`` to its bucket."""
+    extra = bucket(total) - total
+    return np.array([most] * (extra // most) + ([extra % most] if extra % most else []), dtype=np.int64)
+
+
 def _pack(state, call, valid, host_valid, n, longest):
     """The packed call from the mask's host copy: the valid positions' flat indices
     and columns, and the offsets, each computed on the host and copied over once."""
     b, s = valid.shape
     dev = valid.device
     flat = np.flatnonzero(host_valid)  # row-major: each row's run, rows in order
-    cu = np.concatenate(([0], np.cumsum(n))).astype(np.int32)
+    total = len(flat)
+    # (no longer than the model's position table: fillers' position ids count from 0)
+    most = min(FILLER_SEGMENT, getattr(state.base.config, "max_position_embeddings", None) or FILLER_SEGMENT)
+    fill = _fillers(total, most) if state.buckets else np.zeros(0, np.int64)
+    # Filler tokens: segments of their own (so no real token sees them), position ids
+    # counting from 0 in each (valid in every model's table); their outputs are dropped.
+    fill_pos = np.concatenate([np.arange(k) for k in fill]) if len(fill) else np.zeros(0, np.int64)
+    cu = np.concatenate(([0], np.cumsum(np.concatenate((n, fill))))).astype(np.int32)
     with torch.inference_mode(False):
         # Offsets that keep a version (not inference tensors): the runtime may keep
         # their host copy and hf.py need not copy them per forward.
         host_cu = torch.from_numpy(cu)
-        idx, cu32 = torch.from_numpy(np.concatenate((flat, flat % s))), host_cu
+        idx = torch.from_numpy(np.concatenate((flat, flat % s, fill_pos)))
         idx, cu32 = _to_device(idx, dev), _to_device(host_cu, dev)
-    total = len(flat)
-    flat, col = idx[:total], idx[total:]  # col: the column in the padded row
+    flat, col, fill_pos = idx[:total], idx[total:2 * total], idx[2 * total:]  # col: the column in the padded row
+    n_fill = len(fill_pos)
+
+    def packed(x, tail=()):  # [b, s, *tail] -> [1, total (+ fillers), *tail]
+        x = x.reshape(b * s, *tail)[flat]
+        if n_fill:
+            x = torch.cat((x, x.new_zeros((n_fill, *tail))))
+        return x[None]
+
     new = dict(call)
     new["attention_mask"] = None
     if state.family.mask_mapping:
         new["attention_mask"] = {t: None for t in set(state.base.config.layer_types)}
     ids, embeds = call.get("input_ids"), call.get("inputs_embeds")
     if ids is not None:
-        new["input_ids"] = ids.reshape(b * s)[flat][None]
+        new["input_ids"] = packed(ids)
     if embeds is not None:
-        new["inputs_embeds"] = embeds.reshape(b * s, *embeds.shape[2:])[flat][None]
+        new["inputs_embeds"] = packed(embeds, embeds.shape[2:])
     tt = call.get("token_type_ids")
     if tt is not None:
-        new["token_type_ids"] = tt.expand(b, s).reshape(b * s)[flat][None]
+        new["token_type_ids"] = packed(tt.expand(b, s))
     pos = call.get("position_ids")
     if pos is not None:
         pos = pos.expand(b, s).reshape(b * s)[flat]
@@ -553,14 +596,16 @@ def _pack(state, call, valid, host_valid, n, longest):
             pos = col + pad + 1
     else:
         pos = col
-    new["position_ids"] = pos[None]
+    new["position_ids"] = (torch.cat((pos, fill_pos.to(pos.dtype))) if n_fill else pos)[None]
     if state.family.causal:
         new["use_cache"] = False
+    longest = max(longest, int(fill.max()) if len(fill) else 0)
     new.update(cu_seq_lens_q=cu32, cu_seq_lens_k=cu32, max_length_q=longest, max_length_k=longest)
     for k in ("input_ids", "inputs_embeds", "token_type_ids", "position_ids"):
         if new.get(k) is not None:
             torch._dynamo.maybe_mark_dynamic(new[k], 1)
     torch._dynamo.maybe_mark_dynamic(flat, 0)
+    torch._dynamo.maybe_mark_dynamic(cu32, 0)
     if dev.type in _KNOWN_OFFSETS_DEVICES:
         # The runtime plans every layer from the host offsets and reads nothing back
         # (eager; compiled, where the graph hands the op the same tensor).
@@ -570,7 +615,11 @@ def _pack(state, call, valid, host_valid, n, longest):
     return {"call": new, "flat": flat, "valid": valid}
 
 
+@torch.compiler.disable
 def _scatter(state, out, plan):
+    """The packed outputs in the caller's ``[B, S, ...]``. Eager (a graph break under
+    torch.compile), so that what is compiled around the packed model never sees the
+    caller's padded shape."""
     valid, flat = plan["valid"], plan["flat"]
     b, s = valid.shape
 
@@ -578,7 +627,7 @@ def _scatter(state, out, plan):
         if x is None:
             return None
         full = x.new_zeros((b * s,) + x.shape[2:])
-        return full.index_copy(0, flat, x[0]).view((b, s) + x.shape[2:])
+        return full.index_copy(0, flat, x[0, :flat.shape[0]]).view((b, s) + x.shape[2:])
 
     fields = {}
     for k, v in out.items():

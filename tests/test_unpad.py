@@ -616,6 +616,120 @@ def test_compiled_across_layouts_and_a_fallback(family, suffix, compiler, caplog
         assert graphs.count(2) == 3  # the padded graph, on our op too
 
 
+# -- buckets: the packed row padded to a few lengths --------------------------------------------
+
+
+def test_bucket_lengths():
+    """Every total goes to a length at least as long, at most 1/8 above it (16 tokens at
+    least), eight lengths an octave; the fillers make up exactly the difference in
+    segments of at most FILLER_SEGMENT tokens."""
+    seen = {}
+    for total in range(1, 20000):
+        b = hf_unpad.bucket(total)
+        assert total <= b <= max(total + 15, total * 9 // 8), total
+        assert hf_unpad.bucket(b) == b, total
+        fill = hf_unpad._fillers(total)
+        assert fill.sum() == b - total and (fill > 0).all() and (fill <= hf_unpad.FILLER_SEGMENT).all(), total
+        seen.setdefault(total.bit_length(), set()).add(b)
+    assert max(len(v) for v in seen.values()) <= 9  # eight an octave, plus the next octave's first
+
+
+BUCKETED = [("bert", "Model", False), ("roberta", "ForMaskedLM", True), ("distilbert", "Model", False),
+            ("llama", "ForCausalLM", True), ("qwen3", "Model", True), ("modernbert", "Model", False)]
+
+
+@pytest.mark.parametrize("family,suffix,left", BUCKETED)
+def test_buckets_pad_the_packed_row_and_change_no_output(family, suffix, left):
+    """buckets=True: each layer's op sees the bucket's rows (total + fillers), every
+    output at a valid position is the padded "sdpa" run's, zeros at padded ones."""
+    model = build(family, suffix)
+    layouts = [([7, 3, 8, 1], 8), ([13, 2, 6], 13), ([5, 16, 16, 9, 3], 16)]
+    for i, (lengths, s) in enumerate(layouts):
+        kw = inputs(family, lengths, s, left and family != "distilbert", seed=i)
+        extra = dict(use_cache=False) if family in DECODERS else {}
+        ref = model(**kw, **extra)
+        hf_unpad.unpad(model, buckets=True)
+        with Tokens() as t:
+            out = model(**kw, **extra)
+        hf_unpad.unpad(model, enabled=False)
+        total = sum(lengths)
+        assert hf_unpad.bucket(total) > total  # fillers in every layout here
+        assert t.rows == [hf_unpad.bucket(total)] * 2, (lengths, t.rows)
+        compare(ref, out, kw["attention_mask"].bool(), key=(family, suffix, "buckets"))
+
+
+def test_buckets_training_gradients_and_inputs_embeds():
+    """Fillers take no part in the loss or any gradient: a training step's loss and
+    every parameter's and input embedding's gradient as padded."""
+    model = build("bert", "ForMaskedLM").train()
+    kw = inputs("bert", [7, 3, 8, 1], 8)
+    kw.update(_labels("bert", "ForMaskedLM", kw, torch.Generator().manual_seed(5)))
+    emb = model.get_input_embeddings()(kw.pop("input_ids")).detach()
+
+    def run(m):
+        m.zero_grad()
+        x = emb.clone().requires_grad_()
+        out = m(inputs_embeds=x, **kw)
+        out.loss.backward()
+        return out.loss.detach(), x.grad, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    lref, xref, gref = run(model)
+    hf_unpad.unpad(model, buckets=True)
+    with Tokens() as t:
+        lout, xout, gout = run(model)
+    assert t.rows == [hf_unpad.bucket(19)] * 2
+    torch.testing.assert_close(lout, lref, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(xout, xref, atol=TOL, rtol=TOL)
+    assert gout.keys() == gref.keys()
+    for n in gref:
+        torch.testing.assert_close(gout[n], gref[n], atol=1e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+
+
+def test_buckets_switch_and_undo():
+    """unpad(model, buckets=...) again changes it; enabled=False undoes it all."""
+    model = build("bert")
+    kw = inputs("bert", [7, 3, 8], 8)
+    for buckets, rows in ((True, hf_unpad.bucket(18)), (False, 18), (True, hf_unpad.bucket(18))):
+        hf_unpad.unpad(model, buckets=buckets)
+        with Tokens() as t:
+            model(**kw)
+        assert t.rows == [rows] * 2
+    hf_unpad.unpad(model, enabled=False)
+    with Tokens() as t:
+        model(**kw)
+    assert t.rows == [] and not hf_unpad.is_unpadded(model)  # "sdpa" again, as built
+
+
+def test_compiled_buckets_one_packed_shape_across_layouts():
+    """Under torch.compile, layouts of one bucket (other totals, lengths, widths and
+    batch sizes) give the compiled packed model one input shape; nothing compiles
+    after the recompiles that make the longest length and the batch size dynamic."""
+    model = build("bert", "Model")
+    ref_model = build("bert", "Model")
+    hf_unpad.unpad(model, buckets=True)
+    shapes = []
+
+    def backend(gm, example_inputs):
+        if any(n.op == "call_function" and (n.target in OURS or any(n.target is op.overloadpacket for op in OURS))
+               for n in gm.graph.nodes):
+            shapes.append(sorted(tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor)
+                                 and x.dtype == torch.long and x.dim() == 2))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    layouts = [([6, 2, 9], 9), ([5, 5, 8], 9), ([2, 7, 4, 5, 1], 7), ([9, 1, 9], 9), ([3, 12, 6], 12),
+               ([1, 1, 1, 1, 20], 20)]
+    assert {hf_unpad.bucket(sum(lengths)) for lengths, _ in layouts} == {32}
+    counts = []
+    for i, (lengths, s) in enumerate(layouts):
+        kw = inputs("bert", lengths, s, seed=i)
+        compare(ref_model(**kw), compiled(**kw), kw["attention_mask"].bool())
+        counts.append(len(shapes))
+    assert counts[-1] == counts[2] <= 3, counts
+    assert all(x == [(1, 32)] * 3 for x in shapes), shapes  # ids, token types, positions
+
+
 # -- ModernBERT: local layers are sliding-window attention -------------------------------------
 
 
@@ -898,15 +1012,17 @@ def test_cuda_compiled_across_layouts():
 
 
 @pytest.mark.cuda
-def test_cuda_training_under_reduce_overhead_across_layouts():
+@pytest.mark.parametrize("buckets", [False, True])
+def test_cuda_training_under_reduce_overhead_across_layouts(buckets):
     """An unpadded model trained under torch.compile(mode="reduce-overhead"):
     Inductor graphs what surrounds our op (tagged cudagraph_unsafe) and replays
     those graphs at every step, the op plans each batch's layout, so every step's
     loss and gradients are the eager unpadded model's, across layouts of equal
-    padded shape and of other shapes, with one sync (unpadding's mask read) a step."""
+    padded shape and of other shapes, with one sync (unpadding's mask read) a step;
+    with buckets, layouts of one packed length replay one graph."""
     import warnings
 
-    model = hf_unpad.unpad(_cuda_model("bert", "ForMaskedLM").float().train())
+    model = hf_unpad.unpad(_cuda_model("bert", "ForMaskedLM").float().train(), buckets=buckets)
     ref = hf_unpad.unpad(_cuda_model("bert", "ForMaskedLM").float().train())
     ref.load_state_dict(model.state_dict())
     torch._dynamo.reset()
@@ -939,6 +1055,45 @@ def test_cuda_training_under_reduce_overhead_across_layouts():
         for n in gref:
             torch.testing.assert_close(gout[n], gref[n], atol=5e-2, rtol=5e-2, msg=lambda m: f"{lengths} {n}: {m}")
 
+
+
+@pytest.mark.cuda
+def test_cuda_two_forwards_a_step_with_buckets_under_reduce_overhead():
+    """A sentence-transformers style step (two forwards, anchors and positives, then
+    one backward through an in-batch loss) of a BertModel unpadded with buckets and
+    its forward compiled with mode="reduce-overhead", the attention dropout at 0:
+    every step's loss and gradients are the eager padded "sdpa" model's, over
+    batches of other layouts and lengths, replayed graphs included."""
+    base = _cuda_model("bert", "Model").float().train()
+    ref = copy.deepcopy(base)
+    ref.set_attn_implementation("sdpa")
+    hf_unpad.unpad(base, buckets=True)
+    torch._dynamo.reset()
+    base.forward = torch.compile(base.forward, mode="reduce-overhead")
+
+    def step(m, batches):
+        m.zero_grad(set_to_none=True)
+        embs = []
+        for kw in batches:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                h = m.forward(**kw).last_hidden_state
+            w = kw["attention_mask"][..., None].float()
+            embs.append((h.float() * w).sum(1) / w.sum(1))
+        scores = embs[0] @ embs[1].T
+        loss = torch.nn.functional.cross_entropy(scores, torch.arange(len(scores), device=scores.device))
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    layouts = [([30, 7, 48, 2], 48), ([12, 40, 3, 40], 40), ([30, 7, 48, 2], 48), ([48, 2, 29, 9], 48),
+               ([64, 1, 9, 33], 64), ([12, 40, 3, 40], 40)]
+    for i in range(len(layouts) - 1):
+        batches = [_cuda_inputs("bert", *layouts[i]), _cuda_inputs("bert", *layouts[i + 1])]
+        lout, gout = step(base, batches)
+        lref, gref = step(ref, batches)
+        torch.testing.assert_close(lout, lref, atol=2e-2, rtol=2e-2, msg=lambda m: f"step {i}: {m}")
+        assert gout.keys() == gref.keys()
+        for n in gref:
+            torch.testing.assert_close(gout[n], gref[n], atol=5e-2, rtol=5e-2, msg=lambda m: f"step {i} {n}: {m}")
 
 @pytest.mark.parametrize("family,suffix,left,others", [("bert", "Model", False, 0), ("roberta", "ForMaskedLM", True, 0),
                                                        ("qwen3", "ForCausalLM", True, 0), ("llama", "ForCausalLM", True, 1)])

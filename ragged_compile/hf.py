@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from . import hf_towers
+from .backends import flash_backward
 from .backends.select import WINDOW, full_rows_kernel, padded_kernel, unsupported_reason, variant
 from .logs import warn_once
 from .ops import autocast_inputs, ragged_attention
@@ -81,6 +82,9 @@ HEADS_NOT_GROUPED = "query heads are not a multiple of key/value heads"
 UNSUPPORTED = "dtype / head dim / variant our op does not take fast on this device"
 # Not a call's reason: a class whose attention never calls ours (said when our name is set).
 OFF_INTERFACE = "model class not on transformers' attention interface"
+# A kwarg of hf.unpad(..., buckets=True)'s packed calls: under torch.compile their
+# attention runs a kernel CUDA graphs capture (flash_backward.in_graph).
+IN_GRAPH = "ragged_compile_in_graph"
 
 # The README's table of what falls back.
 FALLBACKS = (
@@ -719,7 +723,8 @@ def _stock(module, query, key, value, attention_mask, dropout, scaling, causal, 
         mask, empty = _dense_from_layout(layout, b, sq, sk, causal, window, query.device)
     else:
         mask = attention_mask
-    kw = {k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "is_causal")}
+    kw = {k: v for k, v in kwargs.items()
+          if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "is_causal", IN_GRAPH)}
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     mask = None if mask is None else _additive(mask, query.dtype)
@@ -886,6 +891,14 @@ def attention_forward(
     q = cast_q.transpose(1, 2).reshape(b * sq, hq, d)
     k = cast_k.transpose(1, 2).reshape(b * sk, key.shape[1], d)
     v = cast_v.transpose(1, 2).reshape(b * sk, value.shape[1], d)
+    if compiling and kwargs.get(IN_GRAPH) and layout.max_k is not None and softcap == 0.0 and sinks is None \
+            and flash_backward.unsupported_reason(query.device, cast_q.dtype, d) is None:
+        # hf.unpad(..., buckets=True) under torch.compile: a kernel that CUDA graphs can
+        # capture (it reads the offsets on the device), so reduce-overhead's graphs hold
+        # the attention too and a replay serves every layout of the bucket.
+        out = flash_backward.in_graph(q, k, v, layout.cu_q, layout.cu_k, kwargs["max_length_q"], layout.max_k,
+                                      causal, scaling, window_size, dropout_p)
+        return out.reshape(b, sq, hq, d), None
     if query.device.type == "cuda" and not compiling and (layout.cu_q.is_inference() or layout.cu_k.is_inference()):
         # The runtime reuses a plan across layers while the offsets tensor is alive
         # and unmodified (its implicit step: address and version); inference tensors

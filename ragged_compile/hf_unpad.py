@@ -538,9 +538,14 @@ def bucket(total: int) -> int:
 
 def _fillers(total: int, most: int = FILLER_SEGMENT) -> np.ndarray:
     """The lengths of the filler segments (each at most ``most`` tokens) that take
-    ``total`` to its bucket."""
-    extra = bucket(total) - total
-    return np.array([most] * (extra // most) + ([extra % most] if extra % most else []), dtype=np.int64)
+    ``total`` to its bucket: as many for every total of a bucket (empty ones where
+    fewer do), so the offsets' shape is the bucket's too."""
+    b = bucket(total)
+    extra = b - total
+    lengths = [most] * (extra // most) + ([extra % most] if extra % most else [])
+    # extra < the bucket's step <= b / 8 tokens (16 at least)
+    slots = max(1, -(-max(b // 8, 16) // most))
+    return np.array(lengths + [0] * (slots - len(lengths)), dtype=np.int64)
 
 
 def _pack(state, call, valid, host_valid, n, longest):
@@ -555,7 +560,7 @@ def _pack(state, call, valid, host_valid, n, longest):
     fill = _fillers(total, most) if state.buckets else np.zeros(0, np.int64)
     # Filler tokens: segments of their own (so no real token sees them), position ids
     # counting from 0 in each (valid in every model's table); their outputs are dropped.
-    fill_pos = np.concatenate([np.arange(k) for k in fill]) if len(fill) else np.zeros(0, np.int64)
+    fill_pos = np.concatenate([np.arange(k) for k in fill]) if fill.sum() else np.zeros(0, np.int64)
     cu = np.concatenate(([0], np.cumsum(np.concatenate((n, fill))))).astype(np.int32)
     with torch.inference_mode(False):
         # Offsets that keep a version (not inference tensors): the runtime may keep
@@ -600,6 +605,13 @@ def _pack(state, call, valid, host_valid, n, longest):
     if state.family.causal:
         new["use_cache"] = False
     longest = max(longest, int(fill.max()) if len(fill) else 0)
+    if state.buckets:
+        from .hf import IN_GRAPH
+
+        # The longest length sizes a kernel's grid only (FlashAttention-2's query tiles
+        # are 128 rows): rounded up, it takes few values, as the packed length does.
+        longest = -(-longest // 128) * 128
+        new[IN_GRAPH] = True
     new.update(cu_seq_lens_q=cu32, cu_seq_lens_k=cu32, max_length_q=longest, max_length_k=longest)
     for k in ("input_ids", "inputs_embeds", "token_type_ids", "position_ids"):
         if new.get(k) is not None:

@@ -142,6 +142,27 @@ def forward_dropout(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, s
     return _forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, (-1, -1), dropout_p)
 
 
+def in_graph(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float, window=(-1, -1), dropout_p: float = 0.0):
+    """The call as aten's FlashAttention-2 forward under autograd, for a graph that
+    torch.compile captures whole (``hf.unpad(..., buckets=True)`` under
+    ``mode="reduce-overhead"``): the kernel reads the offsets on the device and
+    takes ``max_q``/``max_k`` (ints, symbolic under compile) for its grid only, so
+    a captured replay with other offsets of the same shapes computes their
+    attention; its backward is aten's, dropout drawn from CUDA's generator as SDPA's
+    is (graph-safe). Same contract as :func:`forward` (``max_q``, ``max_k`` > 0:
+    the caller packs at least one token)."""
+    torch._check(cu_q.shape[0] - 1 <= MAX_SEGMENTS, lambda: f"cu_seqlens_q has more than {MAX_SEGMENTS} segments, "
+                 f"the most PyTorch's FlashAttention-2 takes per call; split the batch")
+    d = q.shape[-1]
+    dp = fa2_head_dim(d)
+    out = _forward_kernel(
+        pad_head_dim(q, dp), pad_head_dim(k, dp), pad_head_dim(v, dp), cu_q, cu_k, max_q,
+        _max_k_arg(max_q, max_k, window), dropout_p, causal, False, scale=scale,
+        window_size_left=window[0], window_size_right=window[1],
+    )[0]
+    return out[..., :d] if dp != d else out
+
+
 def _forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, dropout_p):
     if cu_q.numel() - 1 == 0 or max_q == 0 or max_k == 0 or q.shape[0] == 0 or k.shape[0] == 0:
         lse = torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float32, device=q.device)

@@ -27,7 +27,7 @@ BERT classifiers, side by side in one process (BERT encoders: ``bench_host.py``)
   ``buckets=True`` and the transformer's forward compiled with
   ``mode="reduce-overhead"`` (``unpad_ro``), and ``"sdpa"`` compiled the same way (``sdpa_ro``); the
   compiled ones warmed over every batch first (their warm-up seconds and the
-  packed lengths seen are in the row).
+  packed lengths seen are in the row); ``ST_RO_KEYS=sdpa,unpad_ro`` times some.
 * ``full``: rows with no padding at all (BERT-base 64 x 256, BERT-large 32 x 512):
   ``"sdpa"``, ours, ours unpadded (on CUDA also given the mask on the CPU:
   ``unpad_host``), forward ms: what an unpadded model costs where there is
@@ -212,7 +212,9 @@ def st_train_steps(dev, dtype, smoke, compiled=False, warm: dict | None = None) 
             return st.SentenceTransformer(modules=[t, Pooling(t.get_embedding_dimension(), pooling_mode="mean")],
                                           device=str(dev))
 
-        keys = {"sdpa": "sdpa", "unpad": name, "unpad_ro": name, "sdpa_ro": "sdpa"} if compiled == "ro" else \
+        ro = {"sdpa": "sdpa", "unpad": name, "unpad_ro": name, "sdpa_ro": "sdpa"}
+        ro = {k: v for k, v in ro.items() if k in os.environ.get("ST_RO_KEYS", ",".join(ro)).split(",")}
+        keys = ro if compiled == "ro" else \
             {"sdpa": "sdpa", "unpad": name} if compiled else {"sdpa": "sdpa", "ours": name, "unpad": name}
         models = {key: load(attn) for key, attn in keys.items()}
     for key, m in models.items():
@@ -253,6 +255,7 @@ def st_train_steps(dev, dtype, smoke, compiled=False, warm: dict | None = None) 
                 step()
             sync(dev)
             warm[key] = time.perf_counter() - t0
+            print(f"{key}: warmed in {warm[key]:.0f} s", flush=True)
         steps.append((key, step, feats))
     return steps
 
@@ -293,7 +296,8 @@ def st_train_rows(dev, dtype, smoke, compiled=False) -> list[dict]:
     hf_unpad._pack = lambda *a: packed.append(1) or real_pack(*a)
     try:
         for _ in range(2):
-            {k: fn for k, fn, _ in steps}["unpad"]()
+            fns = {k: fn for k, fn, _ in steps}
+            fns["unpad" if "unpad" in fns else "unpad_ro"]()
     finally:
         hf_unpad._pack = real_pack
     row["unpadded_forwards_packed_of_4"] = len(packed)  # two steps, two forwards (anchors, positives) each
@@ -337,8 +341,9 @@ def full_rows(dev, dtype, smoke, target_s) -> list[dict]:
 def _speeds(r, unit, digits):
     """The cells every table shares: sdpa, ours, unpadded, and the two speed ratios."""
     ours = [f"{r['ours_' + unit]:.{digits}f}", f"{r['ours_over_sdpa_speed']:.2f}x"] if "ours_" + unit in r else ["", ""]
-    return [f"{r['sdpa_' + unit]:.{digits}f}", ours[0], f"{r['unpad_' + unit]:.{digits}f}",
-            ours[1], f"{r['unpad_over_sdpa_speed']:.2f}x"]
+    unpad = [f"{r['unpad_' + unit]:.{digits}f}", f"{r['unpad_over_sdpa_speed']:.2f}x"] if "unpad_" + unit in r \
+        else ["", ""]
+    return [f"{r['sdpa_' + unit]:.{digits}f}", ours[0], unpad[0], ours[1], unpad[1]]
 
 
 def _diff(r):

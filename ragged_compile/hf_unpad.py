@@ -175,14 +175,15 @@ def unpad(model, enabled: bool = True, *, buckets: bool = False):
     by ``enabled=False``). Other classes are left untouched, said once at
     WARNING: their calls stay padded. Call it before ``torch.compile``.
 
-    ``buckets=True`` pads the packed row to one of a few lengths (at most 1/8
-    above the batch's real total, and at least 16 tokens apart) with filler
-    segments of at most ``FILLER_SEGMENT`` tokens whose outputs are dropped, so
-    that what is compiled or captured per shape (``mode="reduce-overhead"``'s
-    CUDA graphs) is reused by batches of other layouts: the packed model's
-    shapes take a few values where they took one per batch. Outputs are those
-    of ``buckets=False``. Calling ``unpad`` again with another ``buckets``
-    changes it.
+    ``buckets=True`` is for ``torch.compile(mode="reduce-overhead")`` over
+    batches of other layouts: the packed row is padded to one of a few lengths
+    (:func:`bucket`: at most 1/8 above the batch's real total) with filler
+    segments of at most ``FILLER_SEGMENT`` tokens whose outputs are dropped, the
+    offsets get as many segments for every total of a bucket, and under
+    ``torch.compile`` attention runs a kernel CUDA graphs capture (fp16/bf16 on
+    SM80+: ``flash_backward.in_graph``), so one recorded graph serves every
+    layout of a bucket. Outputs are those of ``buckets=False``. Calling
+    ``unpad`` again with another ``buckets`` changes it.
     """
     from transformers import PreTrainedModel
 

@@ -753,8 +753,21 @@ def _dropout_p(module, dropout) -> float:
     return float(dropout) if dropout and dropout > 0 and module.training else 0.0
 
 
-def _reason(module, query, key, value, dropout, kwargs) -> str | None:
-    if _dropout_p(module, dropout):
+def _in_graph(query, compiling: bool, kwargs) -> bool:
+    """Whether a call runs :func:`flash_backward.in_graph`: a packed call of
+    ``hf.unpad(..., buckets=True)`` under torch.compile (``query`` in the dtype the
+    kernel gets) that aten's FlashAttention-2 takes, no softcap or sinks."""
+    if not (compiling and kwargs.get(IN_GRAPH) and kwargs.get("max_length_q") is not None):
+        return False
+    softcap, sinks = _variants(kwargs)
+    return softcap == 0.0 and sinks is None and \
+        flash_backward.unsupported_reason(query.device, query.dtype, query.shape[-1]) is None
+
+
+def _reason(module, query, key, value, dropout, kwargs, in_graph: bool = False) -> str | None:
+    """Why the call runs the model's own attention, or None. ``in_graph``: it runs
+    FlashAttention-2 in the graph, which needs no other kernel of the op."""
+    if _dropout_p(module, dropout) and not in_graph:
         softcap, sinks = _variants(kwargs)
         why = unsupported_reason(query.device, query.dtype, query.shape[-1], dropout=True,
                                  variant=variant(False, softcap=softcap, sinks=sinks))
@@ -768,6 +781,8 @@ def _reason(module, query, key, value, dropout, kwargs) -> str | None:
         return HEAD_DIMS_DIFFER
     if query.shape[1] % key.shape[1] != 0:
         return HEADS_NOT_GROUPED
+    if in_graph:
+        return None
     softcap, sinks = _variants(kwargs)
     # a call that needs gradients needs a fused backward too (none caps scores yet)
     why = unsupported_reason(query.device, query.dtype, query.shape[-1], training=_needs_grad(query, key, value),
@@ -799,7 +814,8 @@ def attention_forward(
     # Under autocast our op takes q/k/v in autocast's dtype, as SDPA does (RoPE in
     # float32 hands it float32 q and k): decide on what the kernel will get.
     cast_q, cast_k, cast_v = autocast_inputs(query, key, value)
-    reason = _reason(module, cast_q, cast_k, cast_v, dropout, kwargs)
+    in_graph = _in_graph(cast_q, compiling, kwargs)
+    reason = _reason(module, cast_q, cast_k, cast_v, dropout, kwargs, in_graph)
     if reason is None and causal and sq > sk:
         reason = NOT_RAGGED  # more queries than keys: no cache alignment
 
@@ -891,11 +907,10 @@ def attention_forward(
     q = cast_q.transpose(1, 2).reshape(b * sq, hq, d)
     k = cast_k.transpose(1, 2).reshape(b * sk, key.shape[1], d)
     v = cast_v.transpose(1, 2).reshape(b * sk, value.shape[1], d)
-    if compiling and kwargs.get(IN_GRAPH) and layout.max_k is not None and softcap == 0.0 and sinks is None \
-            and flash_backward.unsupported_reason(query.device, cast_q.dtype, d) is None:
+    if in_graph and layout.max_k is not None:
         # hf.unpad(..., buckets=True) under torch.compile: a kernel that CUDA graphs can
         # capture (it reads the offsets on the device), so reduce-overhead's graphs hold
-        # the attention too and a replay serves every layout of the bucket.
+        # the attention too and a replay serves every layout of the bucket (and batch size).
         out = flash_backward.in_graph(q, k, v, layout.cu_q, layout.cu_k, kwargs["max_length_q"], layout.max_k,
                                       causal, scaling, window_size, dropout_p)
         return out.reshape(b, sq, hq, d), None

@@ -22,9 +22,10 @@ work (what a training loop wants). Everything else is
 device arithmetic, nothing per layer, and on CUDA the runtime plans from the host
 offsets of that read (``Runtime.know_offsets``). Llama and Mistral build their
 causal mask themselves, so transformers reads the packed position ids once more
-(``find_packed_sequence_indices``). Under ``torch.compile`` the read is one graph
-break; the packed dim is marked dynamic, so after the recompile that new widths
-cause anyway, one graph serves every total.
+(``find_packed_sequence_indices``). Under ``torch.compile`` the read and the
+scatter back to ``[B, S, ...]`` are graph breaks, so the compiled packed model
+never sees the caller's padded width; the packed dim is marked dynamic, so after
+the recompile that new widths cause anyway, one graph serves every total.
 
 Calls it cannot pack exactly run the ordinary padded call (on our attention,
 see :mod:`ragged_compile.hf`), logged once per reason and class at WARNING on
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .backends import select
+from .backends import flash_backward, select
 from .logs import log, warn_once
 
 __all__ = ["unpad", "is_unpadded", "FALLBACKS", "FAMILIES"]
@@ -177,13 +178,14 @@ def unpad(model, enabled: bool = True, *, buckets: bool = False):
 
     ``buckets=True`` is for ``torch.compile(mode="reduce-overhead")`` over
     batches of other layouts: the packed row is padded to one of a few lengths
-    (:func:`bucket`: at most 1/8 above the batch's real total) with filler
-    segments of at most ``FILLER_SEGMENT`` tokens whose outputs are dropped, the
-    offsets get as many segments for every total of a bucket, and under
-    ``torch.compile`` attention runs a kernel CUDA graphs capture (fp16/bf16 on
-    SM80+: ``flash_backward.in_graph``), so one recorded graph serves every
-    layout of a bucket. Outputs are those of ``buckets=False``. Calling
-    ``unpad`` again with another ``buckets`` changes it.
+    (:func:`bucket`: at most 1/8 above the batch's real total, or 16 tokens)
+    with filler segments of at most ``FILLER_SEGMENT`` tokens (and no longer than
+    a sliding window) whose outputs are dropped, the offsets get as many segments
+    for every total of a bucket, and under ``torch.compile`` attention runs a
+    kernel CUDA graphs capture (fp16/bf16 on SM80+: ``flash_backward.in_graph``),
+    so one recorded graph serves every layout of a bucket and batch size.
+    Outputs are those of ``buckets=False``. Each call sets it: ``unpad(model)``
+    again turns it off.
     """
     from transformers import PreTrainedModel
 
@@ -532,7 +534,8 @@ FILLER_SEGMENT = 128  # tokens of one filler segment (buckets=True): its attenti
 def bucket(total: int) -> int:
     """The packed length ``unpad(..., buckets=True)`` runs a batch of ``total`` valid
     tokens at: ``total`` rounded up to a multiple of 2**(floor(log2(total)) - 3),
-    at least 16; eight lengths an octave, each at most 1/8 above the total."""
+    at least 16; eight lengths an octave, each at most 1/8 above the total (or 15
+    tokens, below 128)."""
     step = max(16, 1 << max(total.bit_length() - 4, 0))
     return -(-total // step) * step
 
@@ -556,8 +559,12 @@ def _pack(state, call, valid, host_valid, n, longest):
     dev = valid.device
     flat = np.flatnonzero(host_valid)  # row-major: each row's run, rows in order
     total = len(flat)
-    # (no longer than the model's position table: fillers' position ids count from 0)
-    most = min(FILLER_SEGMENT, getattr(state.base.config, "max_position_embeddings", None) or FILLER_SEGMENT)
+    # No longer than the model's position table (fillers' position ids count from 0),
+    # nor than its sliding window: a filler then never needs the window, so a call
+    # whose sequences the window spans stays on kernels without one.
+    config = state.base.config
+    most = min(FILLER_SEGMENT, getattr(config, "max_position_embeddings", None) or FILLER_SEGMENT,
+               _window(config) or FILLER_SEGMENT)
     fill = _fillers(total, most) if state.buckets else np.zeros(0, np.int64)
     # Filler tokens: segments of their own (so no real token sees them), position ids
     # counting from 0 in each (valid in every model's table); their outputs are dropped.
@@ -609,10 +616,13 @@ def _pack(state, call, valid, host_valid, n, longest):
     if state.buckets:
         from .hf import IN_GRAPH
 
-        # The longest length sizes a kernel's grid only (FlashAttention-2's query tiles
-        # are 128 rows): rounded up, it takes few values, as the packed length does.
-        longest = -(-longest // 128) * 128
         new[IN_GRAPH] = True
+        dtype, head_dim = _attention_dtype_and_head_dim(state.base, config, valid)
+        if dev.type == "cuda" and head_dim is not None and flash_backward.unsupported_reason(dev, dtype, head_dim) is None:
+            # Compiled, attention runs flash_backward.in_graph, whose grid alone the longest
+            # length sizes (query tiles of 128 rows): rounded up, it takes few values, as
+            # the packed length does. (Only there: a window check reads it too.)
+            longest = -(-longest // 128) * 128
     new.update(cu_seq_lens_q=cu32, cu_seq_lens_k=cu32, max_length_q=longest, max_length_k=longest)
     for k in ("input_ids", "inputs_embeds", "token_type_ids", "position_ids"):
         if new.get(k) is not None:

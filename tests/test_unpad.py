@@ -646,7 +646,8 @@ def test_buckets_pad_the_packed_row_and_change_no_output(family, suffix, left):
     """buckets=True: each layer's op sees the bucket's rows (total + fillers), every
     output at a valid position is the padded "sdpa" run's, zeros at padded ones."""
     model = build(family, suffix)
-    layouts = [([7, 3, 8, 1], 8), ([13, 2, 6], 13), ([5, 16, 16, 9, 3], 16)]
+    # fillers of 5, 11 and 15 tokens; a total on its bucket (an empty filler slot)
+    layouts = [([7, 3, 8, 1], 8), ([13, 2, 6], 13), ([5, 16, 16, 9, 3], 16), ([9, 16, 7], 16)]
     for i, (lengths, s) in enumerate(layouts):
         kw = inputs(family, lengths, s, left and family != "distilbert", seed=i)
         extra = dict(use_cache=False) if family in DECODERS else {}
@@ -655,10 +656,32 @@ def test_buckets_pad_the_packed_row_and_change_no_output(family, suffix, left):
         with Tokens() as t:
             out = model(**kw, **extra)
         hf_unpad.unpad(model, enabled=False)
-        total = sum(lengths)
-        assert hf_unpad.bucket(total) > total  # fillers in every layout here
-        assert t.rows == [hf_unpad.bucket(total)] * 2, (lengths, t.rows)
+        assert t.rows == [hf_unpad.bucket(sum(lengths))] * 2, (lengths, t.rows)
         compare(ref, out, kw["attention_mask"].bool(), key=(family, suffix, "buckets"))
+
+
+def test_buckets_fillers_need_no_window(monkeypatch):
+    """Fillers are no longer than the model's sliding window: where no kernel takes the
+    window, a batch whose sequences the window spans still packs on the op (a 13-token
+    filler split to the window's 6), equal to the padded run."""
+    from ragged_compile.backends import select
+
+    real = select.unsupported_reason
+
+    def no_window(device, dtype, head_dim, **kw):
+        return "no window kernel" if select.WINDOW in kw.get("variant", ()) else real(device, dtype, head_dim, **kw)
+
+    monkeypatch.setattr(select, "unsupported_reason", no_window)
+    monkeypatch.setattr(hf, "unsupported_reason", no_window)
+    model = build("mistral", "ForCausalLM")  # window 6
+    kw = inputs("mistral", [6, 6, 6, 6, 6, 5], 6)  # 35 tokens: bucket 48
+    assert list(hf_unpad._fillers(35, 6)) == [6, 6, 1]
+    ref = model(**kw, use_cache=False)
+    hf_unpad.unpad(model, buckets=True)
+    with Tokens() as t:
+        out = model(**kw, use_cache=False)
+    assert t.rows == [48] * 2
+    compare(ref, out, kw["attention_mask"].bool())
 
 
 def test_buckets_training_gradients_and_inputs_embeds():
@@ -731,6 +754,48 @@ def test_compiled_buckets_one_packed_shape_across_layouts():
         counts.append(len(shapes))
     assert counts[-1] == counts[2] <= 3, counts
     assert all(x == [(1, 32)] * 3 for x in shapes), shapes  # ids, token types, positions
+
+
+@pytest.mark.parametrize("family,suffix,left", [("bert", "Model", False), ("llama", "ForCausalLM", True),
+                                                ("mistral", "Model", False)])
+def test_compiled_buckets_attention_in_the_graph(family, suffix, left, monkeypatch):
+    """Compiled with buckets, attention runs flash_backward.in_graph (here its kernel a
+    float64 reference of aten's FlashAttention-2 contract), not the op, and needs no
+    other kernel of the op (FlashInfer made unavailable): every valid output as the
+    padded "sdpa" run, the kernel given the bucket's offsets, window and scale."""
+    import ragged_compile as rc
+    from ragged_compile.backends import flash_backward
+
+    seen = []
+
+    def fa2(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug, *, scale, window_size_left,
+            window_size_right):
+        seen.append((tuple(cu_q.shape), causal, window_size_left, window_size_right, dropout_p))
+        out = rc.reference_attention(q, k, v, cu_q, cu_k, causal, scale,
+                                     window_size=(window_size_left, window_size_right)).to(q.dtype)
+        return out, None, None, None, None
+
+    monkeypatch.setattr(flash_backward, "unsupported_reason", lambda device, dtype, head_dim: None)
+    monkeypatch.setattr(flash_backward, "_forward_kernel", fa2)
+    monkeypatch.setattr(hf, "unsupported_reason",  # windows stay (a FlashAttention-2 variant)
+                        lambda *a, **kw: None if kw.get("variant") else "FlashInfer is not installed")
+    model = build(family, suffix)
+    lengths = [7, 3, 8, 1]  # mistral: longer than its window of 6
+    kw = inputs(family, lengths, 8, left)
+    extra = dict(use_cache=False) if family in ("llama", "mistral") else {}
+    ref = model(**kw, **extra)
+    hf_unpad.unpad(model, buckets=True)
+    graphs, backend = _graphs()
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=backend)(**kw, **extra)
+    compare(ref, out, kw["attention_mask"].bool())
+    total = sum(lengths)
+    assert hf_unpad.bucket(total) > total
+    segments = len(lengths) + len(hf_unpad._fillers(total, 6 if family == "mistral" else 64))
+    causal = family != "bert"
+    window = (5, 0) if family == "mistral" else (-1, -1)
+    assert seen == [((segments + 1,), causal, *window, 0.0)] * 2, seen
+    assert not any(graphs), graphs  # no graph calls our op
 
 
 # -- ModernBERT: local layers are sliding-window attention -------------------------------------
@@ -1115,6 +1180,42 @@ def _graph_targets(model, kw):
         h = compiled(**kw).last_hidden_state
     h.float().square().mean().backward()
     return targets
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family,suffix,left", [("bert", "Model", False), ("qwen3", "ForCausalLM", True),
+                                                ("xlm-roberta", "ForMaskedLM", True)])
+@pytest.mark.parametrize("backend", ["fa2", "auto"])
+def test_cuda_buckets_eager(family, suffix, left, backend, monkeypatch):
+    """buckets=True run eagerly on CUDA: the op takes the bucket's rows (fillers and
+    empty filler slots in the offsets) on FlashInfer and on the default choice, one
+    plan a forward, no sync, and every valid output as without buckets (zeros at
+    padded positions)."""
+    from ragged_compile.runtime import get_runtime
+
+    model = _cuda_model(family, suffix)
+    rt = get_runtime(torch.device("cuda"))
+    monkeypatch.setattr(rt, "backend", backend)
+    for lengths in ([37, 5, 64, 1, 20], [37, 5, 64, 2, 20]):  # a one-token filler; an empty filler slot
+        kw = _cuda_inputs(family, lengths, 64, left)
+        if family in DECODERS:
+            kw["use_cache"] = False
+        valid = kw["attention_mask"].bool()
+        with torch.no_grad():
+            hf_unpad.unpad(model, buckets=False)
+            ref = model(**kw)
+            hf_unpad.unpad(model, buckets=True)
+            with Tokens() as t:
+                out = model(**kw)
+            assert t.rows == [128] * 2 and hf_unpad.bucket(sum(lengths)) == 128
+            before = dict(rt.stats)
+            model(**kw)
+            assert rt.stats["syncs"] - before.get("syncs", 0) == 0
+            if backend == "fa2":
+                assert rt.stats["plans"] - before.get("plans", 0) == 1
+        k = "logits" if "logits" in ref else "last_hidden_state"
+        torch.testing.assert_close(out[k][valid].float(), ref[k][valid].float(), atol=2e-2, rtol=2e-2)
+        assert not out[k][~valid].any()
 
 
 @pytest.mark.cuda

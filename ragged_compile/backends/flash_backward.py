@@ -155,6 +155,7 @@ def in_graph(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float, wind
                  f"the most PyTorch's FlashAttention-2 takes per call; split the batch")
     d = q.shape[-1]
     dp = fa2_head_dim(d)
+    scale = d ** -0.5 if scale is None else scale  # of the true head dim, not the padded one
     out = _forward_kernel(
         pad_head_dim(q, dp), pad_head_dim(k, dp), pad_head_dim(v, dp), cu_q, cu_k, max_q,
         _max_k_arg(max_q, max_k, window), dropout_p, causal, False, scale=scale,

@@ -153,15 +153,21 @@ def in_graph(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float, wind
     the caller packs at least one token)."""
     torch._check(cu_q.shape[0] - 1 <= MAX_SEGMENTS, lambda: f"cu_seqlens_q has more than {MAX_SEGMENTS} segments, "
                  f"the most PyTorch's FlashAttention-2 takes per call; split the batch")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale  # of the true head dim, not the padded one
+    return _kernel_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, dropout_p)[0]
+
+
+def _kernel_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, dropout_p):
+    """The aten kernel's ``(out, lse, rng_state, ...)`` for q/k/v of any head dim
+    (zero-padded to the next multiple of 8, ``out`` cut back)."""
     d = q.shape[-1]
     dp = fa2_head_dim(d)
-    scale = d ** -0.5 if scale is None else scale  # of the true head dim, not the padded one
-    out = _forward_kernel(
+    got = _forward_kernel(
         pad_head_dim(q, dp), pad_head_dim(k, dp), pad_head_dim(v, dp), cu_q, cu_k, max_q,
         _max_k_arg(max_q, max_k, window), dropout_p, causal, False, scale=scale,
         window_size_left=window[0], window_size_right=window[1],
-    )[0]
-    return out[..., :d] if dp != d else out
+    )
+    return (got[0][..., :d] if dp != d else got[0]), *got[1:]
 
 
 def _forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, dropout_p):
@@ -169,26 +175,10 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, dropout_p
         lse = torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float32, device=q.device)
         return q.new_zeros(q.shape), lse, torch.zeros(2, dtype=torch.uint64, device=q.device)
     _check_segment_slots(cu_q)
-    d = q.shape[-1]
-    dp = fa2_head_dim(d)
-    out, lse, rng_state, *_ = _forward_kernel(
-        pad_head_dim(q, dp),
-        pad_head_dim(k, dp),
-        pad_head_dim(v, dp),
-        cu_q.to(torch.int32).contiguous(),
-        cu_k.to(torch.int32).contiguous(),
-        max_q,
-        _max_k_arg(max_q, max_k, window),
-        dropout_p,
-        causal,
-        False,
-        scale=scale,
-        window_size_left=window[0],
-        window_size_right=window[1],
-    )
+    out, lse, rng_state, *_ = _kernel_call(q, k, v, cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous(),
+                                           max_q, max_k, causal, scale, window, dropout_p)
     # the kernel's output takes q's strides (empty_like); the op promises a dense one
-    out = out[..., :d].contiguous() if dp != d else out.contiguous()
-    return out, lse, rng_state.to(q.device)
+    return out.contiguous(), lse, rng_state.to(q.device)
 
 
 def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

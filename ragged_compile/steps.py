@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .backends import fa4_forward, flash_backward, select
+from .backends import fa4_forward, flash_backward, select, window_forward
 from .backends import flashinfer as fi
 from .logs import warn_once
 from .reference import reference_attention
@@ -222,6 +222,7 @@ class HostLayout:
         self.keyless_rows = (bool(((lens_q > 0) & (lens_k == 0)).any()), bool((lens_q > lens_k).any()))
         self._device_cu: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._fa2_cu: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # see fa2_offsets
+        self._window_tiles: dict[torch.device, torch.Tensor] = {}
 
     @classmethod
     def from_lengths(cls, seq_lens_q, seq_lens_k=None) -> HostLayout:
@@ -246,6 +247,14 @@ class HostLayout:
             self._fa2_cu[device] = (self.cu_q[keep].to(device, non_blocking=True),
                                     self.cu_k[keep].to(device, non_blocking=True))
         return self._fa2_cu[device]
+
+    def window_tiles(self, device: torch.device) -> torch.Tensor:
+        """window_forward.py's table of this layout's query tiles, on ``device``: built
+        once, for every windowed layer of a forward."""
+        if device not in self._window_tiles:
+            tiles = torch.from_numpy(window_forward.tiles(self.cu_q.numpy()))
+            self._window_tiles[device] = tiles.to(device, non_blocking=True)  # staged: no sync
+        return self._window_tiles[device]
 
     def device_offsets(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._device_cu:
@@ -470,10 +479,7 @@ class PlannedStep(Step):
         rt = self.runtime
         if window != (-1, -1) and not softcap:  # the caller checked select.forward_kernel: "fa2"
             layout = self._checked_layout(q, k, cu_q, cu_k)
-            rt.count("fa2")
-            rt.last_backend = "fa2"
-            cu_q, cu_k = layout.fa2_offsets(q.device, cu_q, cu_k)
-            return flash_backward.forward(q, k, v, cu_q, cu_k, *layout.max_lens, causal, scale, window)[0]
+            return self._windowed(layout, q, k, v, cu_q, cu_k, causal, scale, window, fa2_offsets=True)[0]
         reason = select.forward_reason(q.device, q.dtype, q.shape[-1])
         if reason is not None:
             warn_once(f"{reason}: CUDA ragged attention runs the (slow, exact) reference kernel")
@@ -505,6 +511,21 @@ class PlannedStep(Step):
         if not softcap:
             self._remember(q, k, cu_q, cu_k, causal, scale, slot)
         return out
+
+    def _windowed(self, layout, q, k, v, cu_q, cu_k, causal, scale, window, fa2_offsets: bool):
+        """``(out, lse)`` of a windowed call (no softcap): window_forward.py's kernel
+        for short windows (from the layout's query tiles, no sync), else
+        FlashAttention-2's (``fa2_offsets``: past its segment limit, the layout
+        without its empty segments)."""
+        rt = self.runtime
+        kernel = select.window_kernel(q.device, q.dtype, q.shape[-1], causal, window)
+        rt.count(kernel)
+        rt.last_backend = kernel
+        if kernel == "window":
+            return window_forward.forward(q, k, v, cu_q, cu_k, layout.window_tiles(q.device), causal, scale, window)
+        if fa2_offsets:
+            cu_q, cu_k = layout.fa2_offsets(q.device, cu_q, cu_k)
+        return flash_backward.forward(q, k, v, cu_q, cu_k, *layout.max_lens, causal, scale, window)
 
     def _remember(self, q, k, cu_q, cu_k, causal, scale, slot, max_lens=None, lens=None, layout=None) -> None:
         """Keep what this call resolved, so that the next layer's call with the same
@@ -548,12 +569,9 @@ class PlannedStep(Step):
         layout = self._checked_layout(q, k, cu_q, cu_k)
         max_lens = layout.max_lens
         lens = (*max_lens, layout.pairs)
-        if window != (-1, -1):  # FlashAttention-2's forward, whose LSE its backward takes as it is
-            rt.count("fa2")
-            rt.last_backend = "fa2"
-            if not trains:  # a backward takes the call's offsets: the forward must match them
-                cu_q, cu_k = layout.fa2_offsets(q.device, cu_q, cu_k)
-            out, lse = flash_backward.forward(q, k, v, cu_q, cu_k, *max_lens, causal, scale, window)
+        if window != (-1, -1):  # an LSE FlashAttention-2's backward takes as it is
+            # a backward takes the call's offsets: the forward must match them
+            out, lse = self._windowed(layout, q, k, v, cu_q, cu_k, causal, scale, window, fa2_offsets=not trains)
             return out, lse, lens
         if total_q == 0 or total_k == 0:
             lse = torch.full((q.shape[1], total_q), float("inf"), dtype=torch.float32, device=q.device)

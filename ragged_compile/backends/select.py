@@ -41,7 +41,9 @@ Variants, where they run:
 variant     CPU                               CUDA
 ==========  ================================  =========================================
 window      the fused CPU kernel (a band      PyTorch's FlashAttention-2, forward and
-            mask per piece)                   backward (both sides bounded)
+            mask per piece)                   backward (both sides bounded); short
+                                              windows' forward: window_forward.py
+                                              (:func:`window_kernel`)
 sinks       the fused CPU kernel (output and  a fused forward's output and LSE
             LSE rescaled; exact backward)     rescaled; FlashAttention-2's backward
 softcap     the reference kernel (the fused   FlashInfer's forward (capped at plan
@@ -66,7 +68,7 @@ import torch
 from .. import config
 from ..logs import warn_once
 from ..validation import SUPPORTED_DTYPES
-from . import fa4_backward, fa4_forward, flash_backward
+from . import fa4_backward, fa4_forward, flash_backward, window_forward
 from . import flashinfer as fi
 
 __all__ = [
@@ -77,6 +79,7 @@ __all__ = [
     "cuda_runs_reference",
     "dropout_kernel",
     "flashinfer_window",
+    "window_kernel",
     "forward_kernel",
     "forward_reason",
     "flashinfer_backend",
@@ -158,6 +161,17 @@ def flashinfer_window(causal: bool, window=(-1, -1)) -> int | None:
     if right >= 0 and not causal:
         return None
     return left
+
+
+def window_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool, window=(-1, -1)) -> str:
+    """The CUDA kernel of a windowed call (forward, and the training forward whose LSE
+    FlashAttention-2's backward takes): ``"window"`` (window_forward.py: key tiles
+    that start where the window does) for a short window with both sides bounded,
+    ``"fa2"`` (PyTorch's FlashAttention-2) otherwise. The caller checked that
+    :func:`forward_kernel` gives ``"fa2"``."""
+    if window_forward.pays(causal, window) and window_forward.unsupported_reason(device, dtype, head_dim) is None:
+        return "window"
+    return "fa2"
 
 
 def cuda_runs_reference(

@@ -99,6 +99,8 @@ def test_short_windows_run_the_window_kernel_long_ones_flashattention2(monkeypat
     assert kernel(False, (255, 256)) == "window" and kernel(False, (256, 256)) == "fa2"  # past MAX_SPAN
     assert kernel(True, (4095, -1)) == "fa2"  # Mistral's window: FlashAttention-2's tiles waste little
     assert kernel(False, (64, -1)) == "fa2" and kernel(False, (-1, 64)) == "fa2"  # a side unbounded
+    assert select.window_kernel(cuda, torch.bfloat16, 128, False, (64, 64)) == "window"
+    assert select.window_kernel(cuda, torch.bfloat16, 256, False, (64, 64)) == "fa2"  # not measured
     monkeypatch.undo()
     cpu = torch.device("cpu")
     assert window_forward.unsupported_reason(cpu, torch.bfloat16, 64) is not None

@@ -169,7 +169,7 @@ def window_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, causa
     that start where the window does) for a short window with both sides bounded,
     ``"fa2"`` (PyTorch's FlashAttention-2) otherwise. The caller checked that
     :func:`forward_kernel` gives ``"fa2"``."""
-    if window_forward.pays(causal, window) and window_forward.unsupported_reason(device, dtype, head_dim) is None:
+    if window_forward.pays(causal, window, head_dim) and window_forward.unsupported_reason(device, dtype, head_dim) is None:
         return "window"
     return "fa2"
 

@@ -5,7 +5,7 @@ FlashAttention-2's windowed forward walks key tiles of 128 aligned to the
 segment start: a 128-row query tile with a window of 64 + 64 reads three of
 them, 384 keys a row for the 129 it needs. Here a query tile of ``BM`` rows
 reads the ``BM + left + right`` keys its rows' windows span, from the first one
-(tiles of ``BN``, not aligned): 192 a row at ``BM = 64``, ``BN = 64``.
+(tiles of ``BN``, not aligned): 192 a row at ``BM = 64``, ``BN = 32``.
 :func:`pays` says where that wins (``select.window_kernel``); long windows
 (Mistral's 4,096) stay on FlashAttention-2, whose tiles waste little there.
 
@@ -31,9 +31,12 @@ __all__ = ["unsupported_reason", "pays", "tiles", "forward", "BLOCK_M"]
 BLOCK_M = 64  # query rows per program (the table's unit)
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
-# Where FlashAttention-2's 128-wide tiles waste little: a window spanning more keys
-# than this runs there (bench/bench_variants.py --only window_kernel).
+# Measured on the H200 (bench/bench_window.py, bench/results/window.json): 1.8-3.0x
+# FlashAttention-2 at head dim 64 for windows spanning 129-513 keys, 1.3-1.4x at
+# 128, 1.07x at 96 (a tile of 128 columns). Wider windows and head dims above 128
+# are not measured: they stay on FlashAttention-2.
 MAX_SPAN = 512
+MAX_MEASURED_HEAD_DIM = 128
 
 try:
     import triton
@@ -55,13 +58,13 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) 
     return None
 
 
-def pays(causal: bool, window: tuple[int, int]) -> bool:
-    """Whether the window is short enough for this kernel to beat FlashAttention-2's:
-    both sides bounded (``causal`` bounds the right at 0), spanning at most
-    :data:`MAX_SPAN` keys."""
+def pays(causal: bool, window: tuple[int, int], head_dim: int) -> bool:
+    """Whether this kernel beats FlashAttention-2's on the call: both sides of the
+    window bounded (``causal`` bounds the right at 0), spanning at most
+    :data:`MAX_SPAN` keys, head dim at most :data:`MAX_MEASURED_HEAD_DIM`."""
     left, right = window
     right = 0 if causal else right
-    return left >= 0 and right >= 0 and left + right + 1 <= MAX_SPAN
+    return left >= 0 and right >= 0 and left + right + 1 <= MAX_SPAN and head_dim <= MAX_MEASURED_HEAD_DIM
 
 
 def tiles(cu_q: np.ndarray) -> np.ndarray:
@@ -98,12 +101,13 @@ def forward(q, k, v, cu_q, cu_k, table: torch.Tensor, causal: bool, scale: float
 
 
 def _config(d: int) -> tuple[int, int, int, int]:
-    """(head-dim tile, key tile, warps, stages) for head dim ``d``."""
+    """(head-dim tile, key tile, warps, stages) for head dim ``d``: the fastest of
+    ``bench/bench_window.py --sweep`` on the H200 (bench/results/window.json)."""
     bd = max(16, triton.next_power_of_2(d))
     if bd <= 64:
-        return bd, 64, 4, 3
+        return bd, 32, 4, 3
     if bd <= 128:
-        return bd, 64, 4, 2
+        return bd, 64, 4, 3
     return bd, 32, 8, 2
 
 

@@ -162,7 +162,8 @@ VARIANT_EXAMPLES = int(os.environ.get("RAGGED_FUZZ_VARIANT_EXAMPLES", str(MAX_EX
 def test_variant_gradients_match_float64_autograd():
     """Sliding windows (left, right, both, wider than a segment, zero) and sinks,
     alone and together, through the fused kernels (FlashAttention-2's windowed
-    forward, or FlashInfer's; FlashAttention-2's backward; the sinks' rescale):
+    forward or window_forward.py's, or FlashInfer's; FlashAttention-2's backward;
+    the sinks' rescale):
     out, dq, dk, dv and d(sinks) against float64 autograd."""
     ran = collections.Counter()
 
@@ -194,7 +195,10 @@ def test_variant_gradients_match_float64_autograd():
         ran["examples"] += 1
         variant = select.variant(case.causal, tuple(case.window_size), 0.0, sinks)
         ran["+".join(variant) or "plain"] += 1
-        ran["kernel_" + select.forward_kernel(q.device, q.dtype, q.shape[-1], variant)] += 1
+        kernel = select.forward_kernel(q.device, q.dtype, q.shape[-1], variant)
+        if kernel == "fa2":  # windows: FlashAttention-2's forward or window_forward.py's
+            kernel = select.window_kernel(q.device, q.dtype, q.shape[-1], case.causal, tuple(case.window_size))
+        ran["kernel_" + kernel] += 1
         ran["causal"] += case.causal
         ran["cross" if case.layout.cross else "self"] += 1
         if ran["examples"] % 100 == 0:

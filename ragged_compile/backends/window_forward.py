@@ -89,7 +89,7 @@ def forward(q, k, v, cu_q, cu_k, table: torch.Tensor, causal: bool, scale: float
     lse = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
     if tq == 0 or table.shape[0] == 0:
         return out, lse
-    q, k, v = (t if t.stride(-1) == 1 and t.is_contiguous() else t.contiguous() for t in (q, k, v))
+    q, k, v = (t.contiguous() for t in (q, k, v))  # rows of H * D: the kernel's addressing
     left, right = window
     bd, bn, warps, stages = _config(d)
     _window_fwd[(table.shape[0], hq)](

@@ -8,7 +8,8 @@ question            answer
 forward             :func:`forward_kernel`: ``"cpu"`` (the fused CPU kernel, cpu.py),
                     ``"flashinfer"`` (CUDA, flashinfer.py; :func:`cuda_backend` may
                     run it on PyTorch's FlashAttention-2 instead), ``"fa2"`` (CUDA
-                    windows, flash_backward.py) or ``"reference"`` (reference.py: float64,
+                    windows, flash_backward.py; :func:`window_kernel`: short ones on
+                    window_forward.py) or ``"reference"`` (reference.py: float64,
                     other devices, ``RAGGED_COMPILE_REFERENCE``, CUDA calls no fast
                     kernel takes)
 CUDA kernel         :func:`cuda_backend`: ``"varlen"`` (PyTorch's FlashAttention-2, which
@@ -125,7 +126,8 @@ def _variant_reason(
     """Why a CUDA variant call runs the reference kernel, or None.
 
     Sliding windows run PyTorch's FlashAttention-2, forward and backward (both
-    sides bounded; FlashInfer's ragged kernels bound the left only). Sinks
+    sides bounded; FlashInfer's ragged kernels bound the left only), the forward
+    of short ones window_forward.py's (:func:`window_kernel`). Sinks
     rescale a fused forward's output by ``sigmoid(lse - sink)`` (FlashInfer's,
     or FlashAttention-2's with a window) and hand FlashAttention-2's backward
     that output and LSE, which gives their exact gradients
@@ -210,7 +212,8 @@ _CPU_SOFTCAP = "the fused CPU kernel cannot soft-cap scores"
 def forward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, variant: tuple[str, ...] = ()) -> str:
     """The forward kernel of a call: ``"cpu"``, ``"flashinfer"``, ``"fa2"`` or
     ``"reference"``. ``variant``: :func:`variant` of the call (on CUDA windows run
-    FlashAttention-2, softcap FlashInfer (with a left window: see
+    ``"fa2"``, which :func:`window_kernel` resolves to FlashAttention-2 or
+    window_forward.py; softcap FlashInfer (with a left window: see
     :func:`cuda_runs_reference` for a two-sided one), sinks the reference; on CPU
     softcap the reference)."""
     if device.type == "cpu":

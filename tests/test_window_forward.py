@@ -195,3 +195,18 @@ def test_cuda_the_op_trains_through_the_window_kernel(causal):
         again = rc.ragged_attention(q, k, v, cu_q.cuda(), cu_k.cuda(), causal=causal, scale=scale, window_size=window)
     assert stats["window"] > before
     torch.testing.assert_close(again.cpu().double(), ref.detach(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_the_kernel_runs_on_its_inputs_device_not_the_current_one():
+    """Triton launches on the current device: inputs on cuda:1 with cuda:0 current
+    must still be computed on cuda:1."""
+    case = CASES[0]
+    q, k, v, cu_q, cu_k, causal, scale, window = _inputs(case, torch.bfloat16, "cuda:1")
+    with torch.cuda.device(0):
+        out, lse = _run(q, k, v, cu_q, cu_k, causal, scale, window)
+    assert out.device == torch.device("cuda", 1)
+    ref = reference_attention(q.cpu().double(), k.cpu().double(), v.cpu().double(), cu_q, cu_k, causal, scale,
+                              window_size=window)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=3e-2, rtol=3e-2)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -15,3 +17,10 @@ def pad_head_dim(x: torch.Tensor, dp: int) -> torch.Tensor:
     if x.stride(-1) != 1:
         return x.contiguous()
     return x
+
+
+def on_device(x: torch.Tensor):
+    """A context in which ``x``'s CUDA device is the current one: Triton launches its
+    kernels on the current device, not on their arguments' (a model on ``cuda:1``
+    with ``cuda:0`` current would otherwise run on the wrong GPU)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()

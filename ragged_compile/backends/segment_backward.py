@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from . import on_device
+
 __all__ = ["recompute"]
 
 
@@ -107,14 +109,15 @@ def _launch(flags, grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale, max_l
     table_q = _block_table(cu_q[:-1], tq, block)
     table_k = table_q if same else _block_table(cu_k[:-1], tk, block)
     common = (flags, cu_q, cu_k, float(scale), tq, hq, hkv, hq // hkv, d)
-    dk_dv[(table_k.shape[0], hkv)](
-        q, k, v, out, grad_out, lse.contiguous(), dk, dv, table_k, *common,
-        CAUSAL=causal, BM=block, BN=block, BD=bd, num_warps=warps,
-    )
-    dq_rows[(table_q.shape[0], hq)](
-        q, k, v, out, grad_out, lse.contiguous(), dq, table_q, *common,
-        CAUSAL=causal, BM=block, BN=block, BD=bd, num_warps=warps,
-    )
+    with on_device(q):
+        dk_dv[(table_k.shape[0], hkv)](
+            q, k, v, out, grad_out, lse.contiguous(), dk, dv, table_k, *common,
+            CAUSAL=causal, BM=block, BN=block, BD=bd, num_warps=warps,
+        )
+        dq_rows[(table_q.shape[0], hq)](
+            q, k, v, out, grad_out, lse.contiguous(), dq, table_q, *common,
+            CAUSAL=causal, BM=block, BN=block, BD=bd, num_warps=warps,
+        )
 
 
 try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import segment_backward
+from . import on_device, segment_backward
 
 __all__ = ["recompute"]
 
@@ -57,10 +57,11 @@ def _launch(flags, q, k, v, cu_q, cu_k, causal, scale, max_lens, out, lse) -> No
         return
     (block, bd, warps), flags, cu_q, cu_k = segment_backward._with_spare_segment(flags, q, cu_q, cu_k)
     table = segment_backward._block_table(cu_q[:-1], tq, block)
-    _fwd_rows[(table.shape[0], hq)](
-        q, k, v, out, lse, table, flags, cu_q, cu_k, float(scale), tq, hq, hkv, hq // hkv, d,
-        CAUSAL=causal, BM=block, BN=block, BD=bd, num_warps=warps,
-    )
+    with on_device(q):
+        _fwd_rows[(table.shape[0], hq)](
+            q, k, v, out, lse, table, flags, cu_q, cu_k, float(scale), tq, hq, hkv, hq // hkv, d,
+            CAUSAL=causal, BM=block, BN=block, BD=bd, num_warps=warps,
+        )
 
 
 if segment_backward.triton is not None:

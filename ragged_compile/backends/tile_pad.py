@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import config
+from . import on_device
 
 __all__ = ["Layout", "layout", "pad_rows", "unpad_rows", "pad_lse", "fused"]
 
@@ -165,6 +166,7 @@ def _gather(tensors, idx: torch.Tensor, rows: int, dim: int) -> list[torch.Tenso
     block_d = triton.next_power_of_2(dim)
     block_h = max(1, min(triton.next_power_of_2(heads), 4096 // block_d))
     grid = (rows, triton.cdiv(heads, block_h))
-    kernel[grid](idx, *xs, *strides, *ys, heads, min(d_in, dim), dim,
-                 N=len(tensors), BLOCK_H=block_h, BLOCK_D=block_d)
+    with on_device(first):
+        kernel[grid](idx, *xs, *strides, *ys, heads, min(d_in, dim), dim,
+                     N=len(tensors), BLOCK_H=block_h, BLOCK_D=block_d)
     return outs

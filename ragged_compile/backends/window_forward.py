@@ -26,6 +26,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import on_device
+
 __all__ = ["unsupported_reason", "pays", "tiles", "forward", "BLOCK_M"]
 
 BLOCK_M = 64  # query rows per program (the table's unit)
@@ -92,11 +94,12 @@ def forward(q, k, v, cu_q, cu_k, table: torch.Tensor, causal: bool, scale: float
     q, k, v = (t.contiguous() for t in (q, k, v))  # rows of H * D: the kernel's addressing
     left, right = window
     bd, bn, warps, stages = _config(d)
-    _window_fwd[(table.shape[0], hq)](
-        q, k, v, out, lse, table, cu_q, cu_k, float(scale), tq, hq, hkv, hq // hkv, d, left, right,
-        CAUSAL=causal, LEFT=left >= 0, RIGHT=right >= 0 and not causal, EXACT_D=bd == d,
-        BM=BLOCK_M, BN=bn, BD=bd, num_warps=warps, num_stages=stages,
-    )
+    with on_device(q):
+        _window_fwd[(table.shape[0], hq)](
+            q, k, v, out, lse, table, cu_q, cu_k, float(scale), tq, hq, hkv, hq // hkv, d, left, right,
+            CAUSAL=causal, LEFT=left >= 0, RIGHT=right >= 0 and not causal, EXACT_D=bd == d,
+            BM=BLOCK_M, BN=bn, BD=bd, num_warps=warps, num_stages=stages,
+        )
     return out, lse
 
 

@@ -522,6 +522,8 @@ class PlannedStep(Step):
         rt.count(kernel)
         rt.last_backend = kernel
         if kernel == "window":
+            if not fa2_offsets:  # a training call: say now what FlashAttention-2's backward would
+                flash_backward._check_segment_slots(cu_q)
             return window_forward.forward(q, k, v, cu_q, cu_k, layout.window_tiles(q.device), causal, scale, window)
         if fa2_offsets:
             cu_q, cu_k = layout.fa2_offsets(q.device, cu_q, cu_k)

@@ -51,9 +51,15 @@ def _run(q, k, v, cu_q, cu_k, causal, scale, window):
     return window_forward.forward(q, k, v, cu_q.to(q.device), cu_k.to(q.device), table, causal, scale, window)
 
 
-def _check(case, dtype, device, tol):
+def _check(case, dtype, device, tol, strided_offsets=False):
     q, k, v, cu_q, cu_k, causal, scale, window = _inputs(case, dtype, device)
-    out, lse = _run(q, k, v, cu_q, cu_k, causal, scale, window)
+    if strided_offsets:  # the op accepts offsets that are a strided view
+        dev_q, dev_k = (torch.stack([c, c], 1).to(device)[:, 0] for c in (cu_q, cu_k))
+        assert not dev_q.is_contiguous()
+        table = torch.from_numpy(window_forward.tiles(cu_q.numpy())).to(device)
+        out, lse = window_forward.forward(q, k, v, dev_q, dev_k, table, causal, scale, window)
+    else:
+        out, lse = _run(q, k, v, cu_q, cu_k, causal, scale, window)
     args = (q.cpu().double(), k.cpu().double(), v.cpu().double(), cu_q, cu_k, causal, scale)
     ref = reference_attention(*args, window_size=window)
     ref_lse = reference_lse(*args[:2], cu_q, cu_k, causal, scale, window_size=window).double()
@@ -64,8 +70,8 @@ def _check(case, dtype, device, tol):
     assert (out.cpu()[(~seen).t()] == 0).all(), "rows that see no key are zero"
 
 
-def _nan_stays_in_its_segment(device, dtype):
-    case = ([70, 90, 3, 66], None, 2, 1, 64, False, (64, 64))
+def _nan_stays_in_its_segment(device, dtype, d=64):
+    case = ([70, 90, 3, 66], None, 2, 1, d, False, (64, 64))
     q, k, v, cu_q, cu_k, causal, scale, window = _inputs(case, dtype, device)
     v[70 + 40] = math.nan  # segment 1, a row every neighbour's tile would read
     k[70 + 89] = math.nan
@@ -73,6 +79,11 @@ def _nan_stays_in_its_segment(device, dtype):
     for i, (a, b) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist())):
         finite = torch.isfinite(out[a:b]).all().item() and torch.isfinite(lse[:, a:b]).all().item()
         assert finite == (i != 1), f"segment {i}: a NaN of segment 1 must reach it only"
+    # and within segment 1 it stays NaN (not zeroed as a row that saw no key): the rows
+    # whose window holds v's NaN row, and the LSE of those whose window holds k's
+    assert out[70 + 40].isnan().all(), "a row that sees a NaN value is NaN"
+    assert lse[:, 70 + 89].isnan().all() and lse[:, 70 + 25].isnan().all(), "rows that see a NaN key: NaN LSE"
+    assert torch.isfinite(lse[:, 70:70 + 25]).all(), "rows whose window misses the NaN key keep a finite LSE"
 
 
 # -- the table and the choice (CPU) ------------------------------------------------------
@@ -133,6 +144,24 @@ def test_a_runtime_step_runs_the_window_kernel_from_its_layouts_tiles(monkeypatc
     torch.testing.assert_close(out2, ref)
 
 
+def test_a_training_call_past_flashattention2s_segment_limit_fails_in_the_forward(monkeypatch):
+    """The window kernel takes any number of segments, FlashAttention-2's backward at
+    most 65,535: a training call says so at once, not in its backward."""
+    from ragged_compile.backends import flash_backward
+    from ragged_compile.runtime import Runtime
+
+    monkeypatch.setattr(select, "window_kernel", lambda *a: "window")
+    monkeypatch.setattr(window_forward, "forward", lambda *a: pytest.fail("the kernel must not run"))
+    n = flash_backward.MAX_SEGMENTS + 1
+    cu = torch.arange(n + 1, dtype=torch.int32)
+    q = torch.randn(n, 1, 8)
+    rt = Runtime(torch.device("cpu"))
+    with rt.step():
+        step = rt._step_for(cu, cu)
+        with pytest.raises(ValueError, match="65535"):
+            step.attention_with_lse(q, q, q, cu, cu, False, 1.0, (4, 4))
+
+
 # -- the kernel: Triton's interpreter on CPU, natively on CUDA ---------------------------
 
 _CHILD = """
@@ -140,6 +169,7 @@ import torch
 from test_window_forward import CASES, _check, _nan_stays_in_its_segment
 for case in CASES:
     _check(case, torch.float16, "cpu", 2e-2)
+_check(CASES[2], torch.float16, "cpu", 2e-2, strided_offsets=True)
 _nan_stays_in_its_segment("cpu", torch.float16)
 print("checked", len(CASES))
 """
@@ -162,9 +192,15 @@ def test_cuda_the_kernel_matches_the_reference(case, dtype):
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("d", [64, 128, 256])
+def test_cuda_strided_offsets():
+    _check(CASES[2], torch.bfloat16, "cuda", 3e-2, strided_offsets=True)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_cuda_a_nan_stays_in_its_segment(d):
-    _nan_stays_in_its_segment("cuda", torch.bfloat16)
+    _nan_stays_in_its_segment("cuda", torch.bfloat16, d)
 
 
 @pytest.mark.cuda

@@ -91,7 +91,8 @@ def forward(q, k, v, cu_q, cu_k, table: torch.Tensor, causal: bool, scale: float
     lse = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
     if tq == 0 or table.shape[0] == 0:
         return out, lse
-    q, k, v = (t.contiguous() for t in (q, k, v))  # rows of H * D: the kernel's addressing
+    # the kernel's addressing: rows of H * D, offsets one after another
+    q, k, v, cu_q, cu_k = (t.contiguous() for t in (q, k, v, cu_q, cu_k))
     left, right = window
     bd, bn, warps, stages = _config(d)
     with on_device(q):

@@ -15,6 +15,9 @@ Rows (random weights, bf16 on CUDA; each model 8 layers unless said):
   1024 at half padding, against ``"sdpa"``; ours padded and with ``hf.unpad``.
 * ``bert_dropout``: a training step (forward, backward, AdamW) of BERT-base with
   attention dropout 0.1 on 64 x 256 at half padding, against ``"sdpa"``.
+* ``mistral_train``, ``gemma2_train``, ``gpt_oss_train``: the same training step of
+  the models above (64 x 256, lengths L/2..L), ours padded and with ``hf.unpad``,
+  against their stock paths.
 
 Each row: forward ms (and a training step where said), max |diff| at valid
 positions against stock (dropout rows: none, masks differ). Writes
@@ -182,7 +185,7 @@ def train_row(kind, stock, smoke, dev, dtype, target_s):
 
 
 def main() -> None:
-    a, dev, dtype = model_cli(__doc__, "mistral,gemma2,gpt_oss,modernbert,bert_dropout")
+    a, dev, dtype = model_cli(__doc__, "mistral,gemma2,gpt_oss,modernbert,bert_dropout")  # *_train: on request
     target = 0.05 if a.smoke else a.target_s
     rows = []
     jobs = {
@@ -192,6 +195,9 @@ def main() -> None:
         "gpt_oss": [lambda: forward_row("gpt_oss", "eager", a.smoke, dev, dtype, target)],
         "modernbert": [lambda: forward_row("modernbert", "sdpa", a.smoke, dev, dtype, target, unpad=True)],
         "bert_dropout": [lambda: train_row("bert_dropout", "sdpa", a.smoke, dev, dtype, target)],
+        "mistral_train": [lambda: train_row("mistral", "sdpa", a.smoke, dev, dtype, target)],
+        "gemma2_train": [lambda: train_row("gemma2", "eager", a.smoke, dev, dtype, target)],
+        "gpt_oss_train": [lambda: train_row("gpt_oss", "eager", a.smoke, dev, dtype, target)],
     }
     for kind in a.only.split(","):
         for job in jobs[kind]:

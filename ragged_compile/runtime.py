@@ -120,7 +120,8 @@ class Runtime:
         self._lock = threading.Lock()  # the wrapper pool, the workspace, stats, the tick
         self._local = threading.local()  # this thread's implicit step
         self._retained: list[Step] = []  # finished training steps (see _release)
-        # what the last call ran: FlashInfer's "fa2" / "fa3", "varlen", "reference"
+        # what the last call ran: FlashInfer's "fa2" / "fa3", "varlen", "reference"; windows:
+        # "fa2" (PyTorch's FlashAttention-2) or "window" (window_forward.py)
         self.last_backend: str | None = None
 
     def count(self, name: str, n: int = 1) -> None:

@@ -9,9 +9,11 @@ layout), wider two-sided windows (128 + 128, 256 + 256), causal left windows
 each other (max |diff|) and reports the effective throughput (the window's own
 query-key pairs, 4 flops each per head dim). ``--sweep``: the Triton kernel's
 tile configurations per head dim on the ModernBERT layout, to choose
-``window_forward._config``.
+``window_forward._config``. ``--layouts``: the ModernBERT window and a causal left
+window of 256 over every layout class (floods of short segments, ViT-sized,
+mixed, long), written to ``window-layouts.{json,md}``.
 
-    python bench/bench_window.py --out bench/results [--sweep] [--smoke]
+    python bench/bench_window.py --out bench/results [--sweep] [--layouts] [--smoke]
 """
 
 from __future__ import annotations
@@ -45,10 +47,14 @@ ROWS = [
 SWEEP = [(bn, w, s) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
 
 
-def _layout(smoke: bool):
+# layout classes, ~32-40k tokens each: (segments, shortest, longest)
+LAYOUTS = {"short": (2048, 8, 32), "vit": (36, 1024, 1024), "mixed": (64, 1, 1024), "long": (4, 8192, 8192)}
+
+
+def _layout(smoke: bool, name: str = "mixed"):
     g = torch.Generator().manual_seed(0)
-    n, s = (4, 64) if smoke else (64, 1024)
-    lens = torch.randint(1, s + 1, (n,), generator=g)
+    n, lo, hi = (4, 1, 64) if smoke else LAYOUTS[name]
+    lens = torch.randint(lo, hi + 1, (n,), generator=g)
     return np.concatenate([[0], np.cumsum(lens.numpy())]).astype(np.int32)
 
 
@@ -135,10 +141,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--layouts", action="store_true")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--reps", type=int, default=50)
     a = p.parse_args()
     dev, dtype = torch.device("cuda"), torch.bfloat16
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.layouts:
+        rows = []
+        for name in LAYOUTS:
+            for spec in (ROWS[0], ROWS[3]):
+                try:
+                    r = {"layout": name, **row(*spec, _layout(a.smoke, name), dev, dtype, a.reps)}
+                except Exception as e:  # noqa: BLE001 - a failing row is recorded, the others run
+                    r = {"layout": name, "row": spec[0], "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+        _write(out / "window-layouts", {"environment": environment(), "dtype": str(dtype), "rows": rows})
+        return
     cu_np = _layout(a.smoke)
     res = {"environment": environment(), "dtype": str(dtype), "rows": []}
     if a.sweep:
@@ -150,21 +171,25 @@ def main() -> None:
             r = {"row": spec[0], "error": f"{type(e).__name__}: {str(e)[:300]}"}
         res["rows"].append(r)
         print(json.dumps(r), flush=True)
-    out = pathlib.Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "window.json").write_text(json.dumps(res, indent=1) + "\n")
+    _write(out / "window", res)
+
+
+def _write(stem: pathlib.Path, res: dict) -> None:
+    stem.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
     lines = ["# Short sliding windows: window_forward.py against FlashAttention-2 (kernel alone)", "",
              f"Environment: `{json.dumps(res['environment'])}`", "",
-             "| row | heads | d | causal | window | tokens | FA2 ms | ours ms | ours / FA2 | ours TFLOP/s (window's work) | max diff |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| layout | row | heads | d | causal | window | segments | tokens | FA2 ms | ours ms | ours / FA2 | "
+             "ours TFLOP/s (window's work) | max diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
+        where = r.get("layout", "mixed")
         if "error" in r:
-            lines.append(f"| {r['row']} | error: {r['error'][:100]} | | | | | | | | | |")
+            lines.append(f"| {where} | {r['row']} | error: {r['error'][:100]} | | | | | | | | | | |")
             continue
-        lines.append(f"| {r['row']} | {r['hq']}/{r['hkv']} | {r['head_dim']} | {r['causal']} | {tuple(r['window'])} | "
-                     f"{r['tokens']} | {r['fa2_ms']:.3f} | {r['window_ms']:.3f} | {r['window_over_fa2_speed']:.2f}x | "
-                     f"{r['window_tflops_effective']:.0f} | {r['max_diff_out']:.1e} |")
-    (out / "window.md").write_text("\n".join(lines) + "\n")
+        lines.append(f"| {where} | {r['row']} | {r['hq']}/{r['hkv']} | {r['head_dim']} | {r['causal']} | "
+                     f"{tuple(r['window'])} | {r['segments']} | {r['tokens']} | {r['fa2_ms']:.3f} | {r['window_ms']:.3f} | "
+                     f"{r['window_over_fa2_speed']:.2f}x | {r['window_tflops_effective']:.0f} | {r['max_diff_out']:.1e} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -246,3 +246,89 @@ def test_cuda_the_kernel_runs_on_its_inputs_device_not_the_current_one():
     ref = reference_attention(q.cpu().double(), k.cpu().double(), v.cpu().double(), cu_q, cu_k, causal, scale,
                               window_size=window)
     torch.testing.assert_close(out.cpu().double(), ref, atol=3e-2, rtol=3e-2)
+
+
+# -- as users call it: threads, torch.compile, autocast, checkpointing (CUDA) -----------
+
+
+def _window_ran():
+    from ragged_compile.runtime import get_runtime
+
+    return get_runtime(torch.device("cuda")).stats["window"]
+
+
+def _reference(q, k, v, cu_q, cu_k, causal, scale, window):
+    return reference_attention(q.detach().cpu().double(), k.detach().cpu().double(), v.detach().cpu().double(),
+                               cu_q.cpu(), cu_k.cpu(), causal, scale, window_size=window)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_two_threads_with_their_own_layouts():
+    import threading
+
+    cases = [CASES[0], ([33, 200, 5], None, 4, 4, 64, False, (64, 64))]
+    errors = []
+
+    def work(case):
+        try:
+            q, k, v, cu_q, cu_k, causal, scale, window = _inputs(case, torch.bfloat16, "cuda", seed=len(case[0]))
+            want = _reference(q, k, v, cu_q, cu_k, causal, scale, window)
+            for _ in range(20):
+                out = rc.ragged_attention(q, k, v, cu_q.cuda(), cu_k.cuda(), causal=causal, scale=scale,
+                                          window_size=window)
+                torch.testing.assert_close(out.cpu().double(), want, atol=3e-2, rtol=3e-2)
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    before = _window_ran()
+    threads = [threading.Thread(target=work, args=(c,)) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert _window_ran() - before == 40
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_compiled_fullgraph_and_autocast_run_the_window_kernel():
+    case = ([100, 1, 0, 64, 130], None, 4, 2, 64, False, (64, 64))
+    q, k, v, cu_q, cu_k, causal, scale, window = _inputs(case, torch.float32, "cuda")
+    want = _reference(q, k, v, cu_q, cu_k, causal, scale, window)
+
+    def fn(q, k, v, cu):
+        return rc.ragged_attention(q, k, v, cu, cu, causal=causal, scale=scale, window_size=window)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)
+    before = _window_ran()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager, graphed = fn(q, k, v, cu_q.cuda()), compiled(q, k, v, cu_q.cuda())
+    assert _window_ran() - before == 2, "autocast casts fp32 q/k/v to bf16, which the window kernel takes"
+    for out in (eager, graphed):
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.cpu().double(), want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_checkpointed_training_equals_plain():
+    from torch.utils.checkpoint import checkpoint
+
+    case = ([100, 1, 0, 64, 130], None, 4, 2, 64, True, (63, -1))
+    q, k, v, cu_q, cu_k, causal, scale, window = _inputs(case, torch.bfloat16, "cuda")
+    cu = cu_q.cuda()
+
+    def layer(q, k, v):
+        return rc.ragged_attention(q, k, v, cu, cu, causal=causal, scale=scale, window_size=window)
+
+    grads = []
+    for ckpt in (False, True):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = checkpoint(layer, *leaves, use_reentrant=False) if ckpt else layer(*leaves)
+        out.float().pow(2).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)  # the backward accumulates dq atomically

@@ -17,7 +17,7 @@ Rows (random weights, bf16 on CUDA; each model 8 layers unless said):
   attention dropout 0.1 on 64 x 256 at half padding, against ``"sdpa"``.
 * ``mistral_train``, ``gemma2_train``, ``gpt_oss_train``: the same training step of
   the models above (64 x 256, lengths L/2..L), ours padded and with ``hf.unpad``,
-  against their stock paths.
+  against their stock paths; ``gemma2_train_long``: Gemma2's at 8 x 2048.
 
 Each row: forward ms (and a training step where said), max |diff| at valid
 positions against stock (dropout rows: none, masks differ). Writes
@@ -161,10 +161,10 @@ def packed_row(smoke, dev, dtype, target_s):
     return row
 
 
-def train_row(kind, stock, smoke, dev, dtype, target_s):
+def train_row(kind, stock, smoke, dev, dtype, target_s, shape=(64, 256)):
     name = hf.register()
-    b, s = (4, 32) if smoke else (64, 256)
-    row = {"model": kind, "stock_impl": stock, "batch": b, "length": s, "step": "forward, backward, AdamW"}
+    b, s = (4, 32) if smoke else shape
+    row = {"model": kind if shape == (64, 256) else f"{kind} {b} x {s}", "stock_impl": stock, "batch": b, "length": s, "step": "forward, backward, AdamW"}
     for impl, attn in (("stock", stock), ("ours", name), ("unpad", name)):
         m = _model(kind, smoke, attn, dev, dtype).train()
         if impl == "unpad":
@@ -197,6 +197,7 @@ def main() -> None:
         "bert_dropout": [lambda: train_row("bert_dropout", "sdpa", a.smoke, dev, dtype, target)],
         "mistral_train": [lambda: train_row("mistral", "sdpa", a.smoke, dev, dtype, target)],
         "gemma2_train": [lambda: train_row("gemma2", "eager", a.smoke, dev, dtype, target)],
+        "gemma2_train_long": [lambda: train_row("gemma2", "eager", a.smoke, dev, dtype, target, (8, 2048))],
         "gpt_oss_train": [lambda: train_row("gpt_oss", "eager", a.smoke, dev, dtype, target)],
     }
     for kind in a.only.split(","):

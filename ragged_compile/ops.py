@@ -41,7 +41,7 @@ import warnings
 import torch
 
 from .backends import cpu as cpu_kernel
-from .backends import fa4_backward, flash_backward, select
+from .backends import fa4_backward, flash_backward, segment_backward, select
 from .reference import (
     reference_attention, reference_attention_backward, reference_dropout_attention, reference_dropout_backward,
     reference_lse,
@@ -552,7 +552,7 @@ def _ragged_attention_lse_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scal
         return _reference_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right,
                                    softcap, sinks)
     out, lse, max_lens = get_runtime(q.device).attention_with_lse(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, _window(variant, window)
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, _window(variant, window), softcap=softcap
     )
     if sinks is not None:
         out, lse = flash_backward.with_sinks(out, lse, sinks)
@@ -606,15 +606,19 @@ def _ragged_attention_lse_backward_cuda(
         return _exact_backward(*args, window_left, window_right, softcap, sinks)
     lens = tuple(max_lens.tolist())  # a CPU tensor: no sync
     grads = _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, lens, causal, scale,
-                           _window(variant, window), variant)
+                           _window(variant, window), variant, softcap)
     if sinks is not None:  # out and lse are with_sinks': the sinks' own gradient from them
         grads = (*grads, flash_backward.sinks_grad(grad_out, out, lse, sinks))
     return _with_dsinks(grads, q)
 
 
 def _cuda_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, lens: tuple[int, int, int], causal, scale,
-                   window=(-1, -1), variant=()):
+                   window=(-1, -1), variant=(), softcap: float = 0.0):
     """(dq, dk, dv) on CUDA; ``lens``: (max_q, max_k, pairs) from the forward's host layout."""
+    if softcap:  # no fused backward caps scores
+        get_runtime(q.device).count("triton_backward")
+        return segment_backward.backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale,
+                                         window, softcap)
     max_q, max_k, pairs = lens
     slots = (cu_seqlens_q.numel() - 1, q.shape[0], k.shape[0])
     work = select.backward_work(q.shape[1], k.shape[1], q.shape[0], k.shape[0], pairs, causal)

@@ -558,7 +558,7 @@ class PlannedStep(Step):
         return self._checked_layout(q, k, cu_q, cu_k).max_lens
 
     def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1),
-                           trains: bool = True):
+                           trains: bool = True, softcap: float = 0.0):
         """:meth:`attention` for training: also the LSE in the backward's layout
         (``[Hq, Tq]`` fp32, natural log, ``+inf`` for keyless rows; see
         backends/flash_backward.py) and the longest q and k segment and the pair
@@ -571,7 +571,15 @@ class PlannedStep(Step):
         layout = self._checked_layout(q, k, cu_q, cu_k)
         max_lens = layout.max_lens
         lens = (*max_lens, layout.pairs)
-        if window != (-1, -1):  # an LSE FlashAttention-2's backward takes as it is
+        if softcap and total_q and total_k:
+            # FlashInfer caps (and bounds a left window) at plan time; its LSE, of the
+            # capped scores, is what segment_backward.py's backward takes
+            slot = rt.plan(self, layout, q.shape[1], k.shape[1], q.shape[2], q.dtype, causal, scale,
+                           select.flashinfer_window(causal, window), softcap)
+            rt.count("flashinfer")
+            out, lse = fi.run_with_lse(slot.wrapper, q, k, v)
+            return out, flash_backward.lse_from_flashinfer(lse), lens
+        if window != (-1, -1) and not softcap:  # an LSE FlashAttention-2's backward takes as it is
             # a backward takes the call's offsets: the forward must match them
             out, lse = self._windowed(layout, q, k, v, cu_q, cu_k, causal, scale, window, fa2_offsets=not trains)
             return out, lse, lens

@@ -386,3 +386,33 @@ def test_cuda_graph_mode_runs_softcap_and_sinks_on_the_models_attention(kind):
         out = _out(g, **kw)
     valid = mask.bool().cuda()
     torch.testing.assert_close(out[valid], ref[valid], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+def test_cuda_gemma2_trains_on_the_op():
+    """Gemma2's soft-capped (and windowed) layers train on the op on CUDA (FlashInfer's
+    capped forward, the Triton backward), every layer, with the gradients of its own
+    eager attention in float32."""
+    if select.unsupported_reason(torch.device("cuda"), torch.bfloat16, 64, training=True,
+                                 variant=("softcap",)) is not None:
+        pytest.skip("soft-capped training has no fused kernel here")
+    model = _family("gemma2", 5)
+    cfg = model.config
+    cfg.head_dim = 64
+    ref = type(model)(cfg).cuda().train()  # rebuilt with head dim 64
+    ours = type(model)(cfg).cuda().to(torch.bfloat16).train()
+    ours.load_state_dict(ref.state_dict())
+    ours.set_attn_implementation(NAME)
+    ids = torch.randint(2, 62, (4, 40), generator=torch.Generator().manual_seed(3))
+    mask = pad_mask([40, 9, 1, 33], 40)
+    kw = dict(input_ids=(ids * mask).cuda(), attention_mask=mask.cuda(), use_cache=False)
+    valid = mask.bool().cuda()
+    for m in (ref, ours):
+        with Count(ops=(torch.ops.ragged_compile.ragged_attention_lse.default,)) as c:
+            out = _out(m, **kw).float()
+            (out[valid].square().mean()).backward()
+        assert c.n == (cfg.num_hidden_layers if m is ours else 0)
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        if "self_attn" in name and a.grad is not None:
+            scale = a.grad.abs().max().item()
+            assert (b.grad.float() - a.grad).abs().max().item() <= 5e-2 * max(scale, 1e-6), name

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ragged_compile as rc
 from ragged_compile import logs, testing
 from ragged_compile.backends import cpu as cpu_kernel
-from ragged_compile.backends import select
+from ragged_compile.backends import segment_backward, select
 from ragged_compile.reference import (
     dense_attention, dense_gradients, dense_lse, reference_attention, reference_attention_backward, sees_key,
 )
@@ -276,17 +276,24 @@ def test_cuda_windows_choose_flashattention2_where_it_runs(monkeypatch):
 
 def test_cuda_softcap_runs_flashinfer_forward_with_a_left_window(monkeypatch):
     """Soft-capped calls run FlashInfer's forward, which caps and bounds the left
-    side at plan time; a right bound (non-causal), training's LSE pair (no fused
-    backward caps) and sinks stay on the reference, and transformers keeps its own
-    attention for soft-capped training."""
+    side at plan time, and train on its LSE with segment_backward.py's Triton
+    backward; a right bound (non-causal), sinks and a backward Triton cannot take
+    stay on the reference, and transformers keeps its own attention there."""
     cuda = torch.device("cuda")
     monkeypatch.setattr(select, "_cuda_forward_reason",
                         lambda dtype, d: None if dtype in (torch.float16, torch.bfloat16) and d <= 256 else "no")
+    monkeypatch.setattr(segment_backward, "triton", object())  # importable, on a machine without it
     for variant in (("softcap",), ("softcap", "window")):
         assert select.forward_kernel(cuda, torch.bfloat16, 96, variant) == "flashinfer"
-        assert not select.trains_with_lse(cuda, torch.bfloat16, 96, variant)
+        assert select.trains_with_lse(cuda, torch.bfloat16, 96, variant)
         assert select.unsupported_reason(cuda, torch.bfloat16, 96, variant=variant) is None
-        assert "no fused backward" in select.unsupported_reason(cuda, torch.bfloat16, 96, training=True, variant=variant)
+        assert select.unsupported_reason(cuda, torch.bfloat16, 96, training=True, variant=variant) is None
+        assert not select.cuda_runs_reference(cuda, torch.bfloat16, 96, variant, training=True, causal=True)
+    monkeypatch.setattr(segment_backward, "triton", None)
+    for variant in (("softcap",), ("softcap", "window")):
+        assert not select.trains_with_lse(cuda, torch.bfloat16, 96, variant)
+        assert "triton is not importable" in select.unsupported_reason(cuda, torch.bfloat16, 96, training=True,
+                                                                       variant=variant)
         assert select.cuda_runs_reference(cuda, torch.bfloat16, 96, variant, training=True)
     soft_window = ("softcap", "window")
     assert not select.cuda_runs_reference(cuda, torch.bfloat16, 96, soft_window, causal=True, window=(7, -1))
@@ -549,6 +556,7 @@ def test_cuda_variants_equal_the_oracle(dtype, variant, caplog):
     before = dict(stats)
     _cuda_variant_against_the_oracle(dtype, variant, caplog)
     ran = {name: stats[name] - before.get(name, 0) for name in ("fa2", "flashinfer", "varlen", "window")}
+    backward = stats["triton_backward"] - before.get("triton_backward", 0)
     if set(variant) == {"window_size"} and dtype == torch.bfloat16:
         # short windows bounded on both sides (causal bounds the right) run window_forward.py,
         # others FlashAttention-2 (the training forward too; FlashAttention-2's backward after either)
@@ -557,6 +565,7 @@ def test_cuda_variants_equal_the_oracle(dtype, variant, caplog):
             assert ran["window"] >= 2 and ran["fa2"] == 0
     elif set(variant) == {"softcap"} and dtype == torch.bfloat16:
         assert ran["flashinfer"] >= 2, "softcap runs FlashInfer's forward"
+        assert backward == 2, "and segment_backward.py's backward"
     elif set(variant) == {"sinks"} and dtype == torch.bfloat16:
         assert ran["flashinfer"] + ran["varlen"] >= 2, "sinks rescale a fused forward"
     else:

@@ -1,22 +1,25 @@
-"""The exact attention backward of chosen segments, written in place: the repair
-step of flash-attn-4's isolation by recompute (fa4_backward.py), which runs the
-fast kernel on the layout as it is and computes again only the segments whose
-gradients came out non-finite.
+"""Attention backward over segments in Triton: the full backward of soft-capped
+attention (no fused CUDA backward caps scores: PyTorch's FlashAttention-2 takes no
+softcap), and the repair step of flash-attn-4's isolation by recompute
+(fa4_backward.py), which runs the fast kernel on the layout as it is and computes
+again only the segments whose gradients came out non-finite.
 
-:func:`recompute` takes a flag per segment on the device. On CUDA (with triton)
-two Triton kernels launch one program per (row block, head), the row blocks of
-every segment laid out on the device (a table bounded on the host by
+Two kernels, one program per (row block, head) each, from a table of every
+segment's row blocks built on the device (bounded on the host by
 ``cdiv(T, block) + n``, so no sync, and a grid that grows with the tokens, not
-with segment slots x the longest segment), and a program whose segment is not
-flagged returns after reading its flag: where nothing is flagged (finite data,
-the common case) the step costs two near-empty launches.
-A flagged segment is computed from its own rows only (every load is bounded by
-the segment's length), the probabilities from the forward's LSE, the row term
-``D = rowsum(dO * O)`` from the forward's output, as FlashAttention's backward
-does. The kernels favour being simple over being fast: they run where a segment
-holds a NaN or an Inf, or sits beside one. Elsewhere (the CPU, used by the tests
-of the isolation contract) the flagged segments are read on the host and
-computed by the reference backward.
+with segment slots x the longest segment): ``dk, dv`` per key block over the query
+blocks its keys are seen by, ``dq`` per query block over the keys it sees. Every
+load is bounded by the segment's length, so a segment's gradients read nothing
+of another's. Probabilities come from the forward's LSE, the row term
+``D = rowsum(dO * O)`` from its output, as FlashAttention's backward does; a window
+and causal bound both the mask and the blocks a program visits.
+
+:func:`backward` computes every segment. :func:`recompute` takes a flag per
+segment on the device; a program whose segment is not flagged returns after
+reading its flag, so where nothing is flagged (finite data, the common case) the
+step costs two near-empty launches. Elsewhere (the CPU, used by the tests of the
+isolation contract) the flagged segments are read on the host and computed by the
+reference backward.
 """
 
 from __future__ import annotations
@@ -25,7 +28,59 @@ import torch
 
 from . import on_device
 
-__all__ = ["recompute"]
+__all__ = ["backward", "recompute", "unsupported_reason"]
+
+# "unbounded" for a window side: further than any segment reaches
+_FAR = 1 << 40
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why :func:`backward`'s kernels cannot take a call, or None."""
+    if device.type != "cuda":
+        return "the Triton backward is CUDA-only"
+    if triton is None:
+        return "triton is not importable"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"the Triton backward takes float16/bfloat16 (tl.dot of float32 is TF32), got {dtype}"
+    if head_dim > 256:
+        return f"the Triton backward takes head_dim <= 256, got {head_dim}"
+    return None
+
+
+def backward(grad_out, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1),
+             softcap: float = 0.0, config=None):
+    """``(dq, dk, dv)`` of attention with soft-capped scores (``softcap`` > 0 caps
+    the scaled scores to ``softcap * tanh(s / softcap)``; 0: off) and a window
+    (``(left, right)``, -1 unbounded, bottom-right aligned as the op's).
+
+    q, out, grad_out: ``[Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]``; lse: fp32 ``[Hq, Tq]``,
+    natural log of the capped scores' sums, ``+inf`` for rows that see no key;
+    cu_q, cu_k: int ``[n + 1]`` on the device. ``config``: the two kernels' tiles
+    (:func:`_config` otherwise: the sweep's)."""
+    n = cu_q.numel() - 1
+    tq, tk = q.shape[0], k.shape[0]
+    q, k, v, grad_out, out = (t.contiguous() for t in (q, k, v, grad_out, out))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if n == 0 or tq == 0 or tk == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    delta = torch.empty(q.shape[1], tq, dtype=torch.float32, device=q.device)  # D, [Hq, Tq]: the dq kernel's
+    (kv_rows, kv_inner, kv_warps, kv_stages), (q_rows, q_inner, q_warps, q_stages) = config or _config(q.shape[-1])
+    flags = torch.ones(1, dtype=torch.int32, device=q.device)  # not read: every segment
+    _launch(flags, grad_out, q, k, v, out, lse.contiguous(), delta, cu_q, cu_k, causal, scale, window, softcap,
+            (dq, dk, dv), every=True, kv=(kv_rows, kv_inner, kv_warps, kv_stages),
+            qs=(q_rows, q_inner, q_warps, q_stages))
+    return dq, dk, dv
+
+
+def _config(d: int):
+    """The tiles of :func:`backward`'s two kernels by head dim: ``((key rows a
+    program, query rows a step, warps, stages), (query rows a program, key rows a
+    step, warps, stages))``."""
+    if d <= 64:
+        return (64, 32, 4, 2), (64, 32, 4, 2)
+    if d <= 128:
+        return (64, 32, 4, 2), (64, 32, 4, 2)
+    return (32, 32, 8, 1), (32, 32, 8, 1)
 
 
 def recompute(flags, grad_out, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, max_lens, grads) -> None:
@@ -37,14 +92,19 @@ def recompute(flags, grad_out, q, k, v, out, lse, cu_q, cu_k, causal: bool, scal
     ``[Hq, Tq]``, natural log, ``+inf`` for rows that see no key; cu_q, cu_k: int32
     ``[n + 1]``; max_lens: the longest q and k segment (host ints, the grid)."""
     if _kernels_run(q.device):
-        _launch(flags, grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale, max_lens, grads)
+        if q.shape[0] == 0 or k.shape[0] == 0 or max_lens[0] == 0 or max_lens[1] == 0:
+            return  # no segment has both queries and keys: the gradients are zeros already
+        block, _, warps = _blocks(q.shape[-1])
+        tiles = (block, block, warps, 1)
+        _launch(flags, grad_out, q, k, v, out, lse.contiguous(), lse, cu_q, cu_k, causal, scale, (-1, -1), 0.0,
+                grads, every=False, kv=tiles, qs=tiles)
     else:
         _on_host(flags, grad_out, q, k, v, cu_q, cu_k, causal, scale, grads)
 
 
 def _kernels_run(device: torch.device) -> bool:
     # a seam: CPU tests run the kernels under Triton's interpreter
-    return device.type == "cuda" and _triton() is not None
+    return device.type == "cuda" and triton is not None
 
 
 def _on_host(flags, grad_out, q, k, v, cu_q, cu_k, causal, scale, grads) -> None:
@@ -60,11 +120,15 @@ def _on_host(flags, grad_out, q, k, v, cu_q, cu_k, causal, scale, grads) -> None
             g[a:b] = x.to(g.dtype)
 
 
-def _blocks(d: int, triton) -> tuple[int, int, int]:
-    """(rows per block, head-dim block, warps) for head dim ``d``: small tiles, as
-    the accumulators of a 256-wide head live in registers too."""
-    bd = max(16, triton.next_power_of_2(d))
+def _blocks(d: int) -> tuple[int, int, int]:
+    """The recompute's (rows per block, head-dim block, warps) for head dim ``d``:
+    small tiles, as the accumulators of a 256-wide head live in registers too."""
+    bd = _head_block(d)
     return (64, bd, 4) if bd <= 64 else (32, bd, 4) if bd <= 128 else (16, bd, 4)
+
+
+def _head_block(d: int) -> int:
+    return max(16, 1 << (d - 1).bit_length())
 
 
 def _block_table(cu: torch.Tensor, total: int, block: int) -> torch.Tensor:
@@ -72,7 +136,7 @@ def _block_table(cu: torch.Tensor, total: int, block: int) -> torch.Tensor:
     side, on the device without a sync. ``bound = cdiv(total, block) + n`` (each
     segment ends at most one partial block) is the host's grid, so it grows with the
     tokens, not with segment slots x the longest segment; the spare entries name
-    segment ``n``, which is never flagged."""
+    segment ``n``, which has no rows and is never flagged."""
     n = cu.numel() - 1
     lens = cu[1:] - cu[:-1]
     counts = (lens + (block - 1)) // block
@@ -86,37 +150,47 @@ def _block_table(cu: torch.Tensor, total: int, block: int) -> torch.Tensor:
 
 
 def _with_spare_segment(flags, q, cu_q, cu_k):
-    """What both recompute launches start from: the block shape for q's head dim, and
-    flags and offsets with a segment n appended (the block tables' spare blocks):
-    never flagged, no rows."""
+    """Flags and int32 offsets with a segment ``n`` appended (the block tables'
+    spare blocks): never flagged, no rows."""
     if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"the recompute kernels take float16/bfloat16 on CUDA (tl.dot of float32 is TF32), got {q.dtype}")
+        raise ValueError(f"the Triton kernels take float16/bfloat16 on CUDA (tl.dot of float32 is TF32), got {q.dtype}")
     flags = torch.cat([flags.to(torch.int32), flags.new_zeros(1, dtype=torch.int32)])
     cu_q, cu_k = (torch.cat([c, c[-1:]]).to(torch.int32).contiguous() for c in (cu_q, cu_k))
-    return _blocks(q.shape[-1], triton), flags, cu_q, cu_k
+    return flags, cu_q, cu_k
 
 
-def _launch(flags, grad_out, q, k, v, out, lse, cu_q, cu_k, causal, scale, max_lens, grads) -> None:
-    _, dk_dv, dq_rows = _triton()
+def _bounds(causal: bool, window=(-1, -1)) -> tuple[int, int]:
+    """The kernels' (left, right): how far a query row's keys reach either side of
+    its bottom-right-aligned diagonal (causal is right 0; unbounded is far)."""
+    left, right = window
+    return (_FAR if left < 0 else left), (0 if causal else _FAR if right < 0 else right)
+
+
+def _launch(flags, grad_out, q, k, v, out, lse, delta, cu_q, cu_k, causal, scale, window, softcap, grads, *,
+            every: bool, kv, qs) -> None:
+    """Both kernels over the segments of ``cu_q``/``cu_k`` (with a spare segment
+    ``n`` appended: the block tables' spare blocks, no rows, never flagged).
+    ``every``: every segment, the dq kernel (launched first) writing ``D`` into
+    ``delta`` for the dk, dv kernel; else the flagged ones, each kernel taking
+    ``D`` from ``out``. ``kv``/``qs``: each kernel's (rows a program, rows a step, warps,
+    stages)."""
     dq, dk, dv = grads
-    same = cu_k is cu_q  # self-attention: one block table
-    n = cu_q.numel() - 1
+    same = cu_k is cu_q  # self-attention: one block table where the blocks agree
     tq, hq, d = q.shape
     tk, hkv = k.shape[0], k.shape[1]
-    if n == 0 or tq == 0 or tk == 0 or max_lens[0] == 0 or max_lens[1] == 0:
-        return  # no segment has both queries and keys: the gradients are zeros already
-    (block, bd, warps), flags, cu_q, cu_k = _with_spare_segment(flags, q, cu_q, cu_k)
-    table_q = _block_table(cu_q[:-1], tq, block)
-    table_k = table_q if same else _block_table(cu_k[:-1], tk, block)
-    common = (flags, cu_q, cu_k, float(scale), tq, hq, hkv, hq // hkv, d)
+    flags, cu_q, cu_k = _with_spare_segment(flags, q, cu_q, cu_k)
+    table_k = _block_table(cu_k[:-1], tk, kv[0])
+    table_q = table_k if same and qs[0] == kv[0] else _block_table(cu_q[:-1], tq, qs[0])
+    common = (flags, cu_q, cu_k, float(scale), float(softcap), *_bounds(causal, window), tq, hq, hkv, hq // hkv, d)
+    bd = _head_block(d)
     with on_device(q):
-        dk_dv[(table_k.shape[0], hkv)](
-            q, k, v, out, grad_out, lse.contiguous(), dk, dv, table_k, *common,
-            CAUSAL=causal, BM=block, BN=block, BD=bd, num_warps=warps,
+        _dq_rows[(table_q.shape[0], hq)](
+            q, k, v, out, grad_out, lse, delta, dq, table_q, *common,
+            EVERY=every, CAP=bool(softcap), BM=qs[0], BN=qs[1], BD=bd, num_warps=qs[2], num_stages=qs[3],
         )
-        dq_rows[(table_q.shape[0], hq)](
-            q, k, v, out, grad_out, lse.contiguous(), dq, table_q, *common,
-            CAUSAL=causal, BM=block, BN=block, BD=bd, num_warps=warps,
+        _dk_dv_rows[(table_k.shape[0], hkv)](
+            q, k, v, out, grad_out, lse, delta, dk, dv, table_k, *common,
+            EVERY=every, CAP=bool(softcap), BM=kv[1], BN=kv[0], BD=bd, num_warps=kv[2], num_stages=kv[3],
         )
 
 
@@ -125,10 +199,6 @@ try:
     import triton.language as tl
 except ImportError:
     triton = tl = None
-
-
-def _triton():
-    return None if triton is None else (triton, _dk_dv_rows, _dq_rows)
 
 
 if triton is not None:
@@ -142,12 +212,16 @@ if triton is not None:
         return tl.load(TABLE + at), tl.load(TABLE + at + 1).to(tl.int64) * B, tl.program_id(1)
 
     @triton.jit
-    def _segment(FLAGS, CU_Q, CU_K, seg):
+    def _segment(FLAGS, CU_Q, CU_K, seg, EVERY: tl.constexpr):
         q0 = tl.load(CU_Q + seg).to(tl.int64)
         k0 = tl.load(CU_K + seg).to(tl.int64)
         lq = tl.load(CU_Q + seg + 1).to(tl.int64) - q0
         lk = tl.load(CU_K + seg + 1).to(tl.int64) - k0
-        return tl.load(FLAGS + seg) != 0, q0, lq, k0, lk
+        if EVERY:
+            run = lk >= 0
+        else:
+            run = tl.load(FLAGS + seg) != 0
+        return run, q0, lq, k0, lk
 
     @triton.jit
     def _block(X, start, r, n, rd, heads, h, d):
@@ -161,53 +235,66 @@ if triton is not None:
         tl.store(X + (start + r)[:, None] * (heads * d) + h * d + rd[None, :], value.to(X.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _query_rows(Q, O, DO, LSE, q0, rm, lq, rd, tq, hq, h, d):
-        # a q block's rows, its output gradient, D = rowsum(dO * O) and its LSE
+    def _query_rows(Q, O, DO, LSE, DELTA, q0, rm, lq, rd, tq, hq, h, d, FROM_O: tl.constexpr):
+        # a q block's rows, its output gradient, D = rowsum(dO * O) (from O, or as the
+        # dq kernel stored it) and its LSE
         q = _block(Q, q0, rm, lq, rd, hq, h, d)
         do = _block(DO, q0, rm, lq, rd, hq, h, d)
-        delta = tl.sum(do.to(tl.float32) * _block(O, q0, rm, lq, rd, hq, h, d).to(tl.float32), 1)
-        lse = tl.load(LSE + h.to(tl.int64) * tq + q0 + rm, mask=rm < lq, other=float("inf"))
+        at = h.to(tl.int64) * tq + q0 + rm
+        if FROM_O:
+            delta = tl.sum(do.to(tl.float32) * _block(O, q0, rm, lq, rd, hq, h, d).to(tl.float32), 1)
+        else:
+            delta = tl.load(DELTA + at, mask=rm < lq, other=0.0)
+        lse = tl.load(LSE + at, mask=rm < lq, other=float("inf"))
         return q, do, delta, lse
 
     @triton.jit
-    def _valid(rm, rn, lq, lk, CAUSAL: tl.constexpr):
-        # the (query row, key) pairs of a tile inside the segment, at or below the
-        # bottom-right-aligned diagonal when causal
-        valid = (rm[:, None] < lq) & (rn[None, :] < lk)
-        if CAUSAL:
-            valid = valid & (rn[None, :] <= rm[:, None] + (lk - lq))
-        return valid
+    def _valid(rm, rn, lq, lk, left, right):
+        # the (query row, key) pairs of a tile inside the segment and the window: the
+        # key's offset from the bottom-right-aligned diagonal in [-left, right]
+        rel = rn[None, :] - rm[:, None] - (lk - lq)
+        return (rm[:, None] < lq) & (rn[None, :] < lk) & (rel <= right) & (rel >= -left)
 
     @triton.jit
-    def _tile(q, k, v, do, delta, lse, rm, rn, lq, lk, scale, CAUSAL: tl.constexpr):
-        # P and dS of one (q block, k block) tile: P zero outside the segment, above
-        # the bottom-right-aligned diagonal when causal, and where lse = +inf (no key)
+    def _tile(q, k, v, do, delta, lse, rm, rn, lq, lk, scale, cap, left, right, CAP: tl.constexpr):
+        # P and dS of one (q block, k block) tile: P zero outside _valid and where
+        # lse = +inf (no key)
+        valid = _valid(rm, rn, lq, lk, left, right)
         s = tl.dot(q, tl.trans(k)) * scale
-        p = tl.where(_valid(rm, rn, lq, lk, CAUSAL), tl.exp(s - lse[:, None]), 0.0)
-        return p, p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        if CAP:
+            t = 2.0 / (1.0 + tl.exp(-2.0 * s / cap)) - 1.0  # tanh(s / cap)
+            s = cap * t
+        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        if CAP:
+            ds = ds * (1.0 - t * t)
+        return p, ds
 
     @triton.jit
     def _dk_dv_rows(
-        Q, K, V, O, DO, LSE, DK, DV, TABLE, FLAGS, CU_Q, CU_K, scale, tq, hq, hkv, group, d,
-        CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+        Q, K, V, O, DO, LSE, DELTA, DK, DV, TABLE, FLAGS, CU_Q, CU_K, scale, cap, left, right, tq, hq, hkv, group, d,
+        EVERY: tl.constexpr, CAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     ):
         # program (k block of a segment, kv head): dk, dv of its rows over the group's
-        # query heads and every q block of the segment
+        # query heads and the q blocks whose window reaches its keys
         seg, n0, hk = _table_entry(TABLE, BN)
-        flagged, q0, lq, k0, lk = _segment(FLAGS, CU_Q, CU_K, seg)
-        if flagged & (n0 < lk):
+        run, q0, lq, k0, lk = _segment(FLAGS, CU_Q, CU_K, seg, EVERY)
+        if run & (n0 < lk):
             rn = n0 + tl.arange(0, BN)
             rd = tl.arange(0, BD)
             k = _block(K, k0, rn, lk, rd, hkv, hk, d)
             v = _block(V, k0, rn, lk, rd, hkv, hk, d)
             dk = tl.zeros([BN, BD], dtype=tl.float32)
             dv = tl.zeros([BN, BD], dtype=tl.float32)
+            off = lk - lq
+            m_lo = tl.maximum(n0 - off - right, 0)  # the first query row whose window reaches key n0
+            m_hi = tl.minimum(n0 + BN - off + left, lq)  # past the last that reaches key n0 + BN - 1
             for g in range(0, group):
                 h = hk * group + g
-                for m0 in range(0, lq, BM):
+                for m0 in range((m_lo // BM) * BM, m_hi, BM):
                     rm = m0 + tl.arange(0, BM)
-                    q, do, delta, lse = _query_rows(Q, O, DO, LSE, q0, rm, lq, rd, tq, hq, h, d)
-                    p, ds = _tile(q, k, v, do, delta, lse, rm, rn, lq, lk, scale, CAUSAL)
+                    q, do, delta, lse = _query_rows(Q, O, DO, LSE, DELTA, q0, rm, lq, rd, tq, hq, h, d, not EVERY)
+                    p, ds = _tile(q, k, v, do, delta, lse, rm, rn, lq, lk, scale, cap, left, right, CAP)
                     dv += tl.dot(tl.trans(p.to(do.dtype)), do)
                     dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
             _store(DK, dk * scale, k0, rn, lk, rd, hkv, hk, d)
@@ -215,21 +302,28 @@ if triton is not None:
 
     @triton.jit
     def _dq_rows(
-        Q, K, V, O, DO, LSE, DQ, TABLE, FLAGS, CU_Q, CU_K, scale, tq, hq, hkv, group, d,
-        CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+        Q, K, V, O, DO, LSE, DELTA, DQ, TABLE, FLAGS, CU_Q, CU_K, scale, cap, left, right, tq, hq, hkv, group, d,
+        EVERY: tl.constexpr, CAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     ):
-        # program (q block of a segment, query head): dq of its rows over the segment's keys
+        # program (q block of a segment, query head): dq of its rows over the keys
+        # its window reaches
         seg, m0, h = _table_entry(TABLE, BM)
-        flagged, q0, lq, k0, lk = _segment(FLAGS, CU_Q, CU_K, seg)
-        if flagged & (m0 < lq):
+        run, q0, lq, k0, lk = _segment(FLAGS, CU_Q, CU_K, seg, EVERY)
+        if run & (m0 < lq):
             hk = h // group
             rm = m0 + tl.arange(0, BM)
             rd = tl.arange(0, BD)
-            q, do, delta, lse = _query_rows(Q, O, DO, LSE, q0, rm, lq, rd, tq, hq, h, d)
+            q, do, delta, lse = _query_rows(Q, O, DO, LSE, DELTA, q0, rm, lq, rd, tq, hq, h, d, True)
+            if EVERY:  # for the dk, dv kernel, launched after this one
+                tl.store(DELTA + h.to(tl.int64) * tq + q0 + rm, delta, mask=rm < lq)
             dq = tl.zeros([BM, BD], dtype=tl.float32)
-            for n0 in range(0, lk, BN):
+            off = lk - lq
+            n_lo = tl.maximum(m0 + off - left, 0)  # the first key row m0's window reaches
+            n_hi = tl.minimum(m0 + BM + off + right, lk)  # past the last that row m0 + BM - 1 reaches
+            for n0 in range((n_lo // BN) * BN, n_hi, BN):
                 rn = n0 + tl.arange(0, BN)
                 k = _block(K, k0, rn, lk, rd, hkv, hk, d)
-                p, ds = _tile(q, k, _block(V, k0, rn, lk, rd, hkv, hk, d), do, delta, lse, rm, rn, lq, lk, scale, CAUSAL)
+                v = _block(V, k0, rn, lk, rd, hkv, hk, d)
+                p, ds = _tile(q, k, v, do, delta, lse, rm, rn, lq, lk, scale, cap, left, right, CAP)
                 dq += tl.dot(ds.to(k.dtype), k)
             _store(DQ, dq * scale, q0, rm, lq, rd, hq, h, d)

@@ -55,12 +55,13 @@ def _launch(flags, q, k, v, cu_q, cu_k, causal, scale, max_lens, out, lse) -> No
     hkv = k.shape[1]
     if n == 0 or tq == 0 or max_lens[0] == 0:
         return
-    (block, bd, warps), flags, cu_q, cu_k = segment_backward._with_spare_segment(flags, q, cu_q, cu_k)
+    block, bd, warps = segment_backward._blocks(d)
+    flags, cu_q, cu_k = segment_backward._with_spare_segment(flags, q, cu_q, cu_k)
     table = segment_backward._block_table(cu_q[:-1], tq, block)
     with on_device(q):
         _fwd_rows[(table.shape[0], hq)](
-            q, k, v, out, lse, table, flags, cu_q, cu_k, float(scale), tq, hq, hkv, hq // hkv, d,
-            CAUSAL=causal, BM=block, BN=block, BD=bd, num_warps=warps,
+            q, k, v, out, lse, table, flags, cu_q, cu_k, float(scale), *segment_backward._bounds(causal),
+            tq, hq, hkv, hq // hkv, d, CAUSAL=causal, BM=block, BN=block, BD=bd, num_warps=warps,
         )
 
 
@@ -72,13 +73,13 @@ if segment_backward.triton is not None:
 
     @triton.jit
     def _fwd_rows(
-        Q, K, V, O, LSE, TABLE, FLAGS, CU_Q, CU_K, scale, tq, hq, hkv, group, d,
+        Q, K, V, O, LSE, TABLE, FLAGS, CU_Q, CU_K, scale, left, right, tq, hq, hkv, group, d,
         CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     ):
         # program (q block of a segment, query head): out and LSE of its rows over
         # the segment's keys, by the online softmax
         seg, m0, h = _table_entry(TABLE, BM)
-        flagged, q0, lq, k0, lk = _segment(FLAGS, CU_Q, CU_K, seg)
+        flagged, q0, lq, k0, lk = _segment(FLAGS, CU_Q, CU_K, seg, False)
         if flagged & (m0 < lq):
             hk = h // group
             rm = m0 + tl.arange(0, BM)
@@ -93,7 +94,7 @@ if segment_backward.triton is not None:
             for n0 in range(0, hi, BN):
                 rn = n0 + tl.arange(0, BN)
                 s = tl.dot(q, tl.trans(_block(K, k0, rn, lk, rd, hkv, hk, d))) * scale
-                s = tl.where(_valid(rm, rn, lq, lk, CAUSAL), s, float("-inf"))
+                s = tl.where(_valid(rm, rn, lq, lk, left, right), s, float("-inf"))
                 m_new = tl.maximum(m, tl.max(s, 1))
                 # rows that have seen no key yet keep m = -inf: shift by 0 there
                 shift = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -69,7 +69,7 @@ import torch
 from .. import config
 from ..logs import warn_once
 from ..validation import SUPPORTED_DTYPES
-from . import fa4_backward, fa4_forward, flash_backward, window_forward
+from . import fa4_backward, fa4_forward, flash_backward, segment_backward, window_forward
 from . import flashinfer as fi
 
 __all__ = [
@@ -148,11 +148,13 @@ def _variant_reason(
             why = why or _cuda_forward_reason(dtype, head_dim)
         return why
     if SINKS not in variant:
-        if training:
-            return "soft-capped attention has no fused backward on CUDA yet"
         if flashinfer_window(causal, window) is None:
             return "FlashInfer soft-caps with a left window only, and this window bounds the right"
-        return _cuda_forward_reason(dtype, head_dim)
+        why = _cuda_forward_reason(dtype, head_dim)
+        if why is None and training:
+            why = segment_backward.unsupported_reason(device, dtype, head_dim)
+            why = None if why is None else f"soft-capped training runs a Triton backward, but {why}"
+        return why
     return f"CUDA kernels for {' / '.join(variant)} are not wired yet (planned)"
 
 
@@ -459,9 +461,8 @@ def trains_with_lse(device: torch.device, dtype: torch.dtype, head_dim: int, var
     if device.type == "cuda":
         if variant:
             # windows and sinks: fused forwards and FlashAttention-2's backward;
-            # softcap the inference op (FlashInfer's forward, the reference's
-            # gradients; cuda_runs_reference says so where it runs)
-            return SOFTCAP not in variant and _variant_reason(device, dtype, head_dim, variant, training=True) is None
+            # softcap FlashInfer's forward and segment_backward.py's backward
+            return _variant_reason(device, dtype, head_dim, variant, training=True) is None
         reason = training_reason(device, dtype, head_dim)
         if reason is None:
             return True

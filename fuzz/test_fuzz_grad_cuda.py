@@ -160,14 +160,15 @@ VARIANT_EXAMPLES = int(os.environ.get("RAGGED_FUZZ_VARIANT_EXAMPLES", str(MAX_EX
 
 
 def test_variant_gradients_match_float64_autograd():
-    """Sliding windows (left, right, both, wider than a segment, zero) and sinks,
-    alone and together, through the fused kernels (FlashAttention-2's windowed
-    forward or window_forward.py's, or FlashInfer's; FlashAttention-2's backward;
-    the sinks' rescale):
+    """Sliding windows (left, right, both, wider than a segment, zero), soft-capping
+    and sinks, alone and together, through the fused kernels (FlashAttention-2's
+    windowed forward or window_forward.py's, or FlashInfer's; FlashAttention-2's
+    backward, or segment_backward.py's for soft-capped scores; the sinks' rescale):
     out, dq, dk, dv and d(sinks) against float64 autograd."""
     ran = collections.Counter()
 
-    @_fuzzed(VARIANT_EXAMPLES, max_segments=32, max_len=384, max_tiny_segments=128, window_size=True, sinks=True)
+    @_fuzzed(VARIANT_EXAMPLES, max_segments=32, max_len=384, max_tiny_segments=128, window_size=True, sinks=True,
+             softcap=True)
     def check(case: AttentionCase):
         x = case.tensors(device="cuda")
         q, k, v = (t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v))
@@ -180,7 +181,7 @@ def test_variant_gradients_match_float64_autograd():
         g = torch.randn(out.shape, generator=torch.Generator(device="cuda").manual_seed(case.seed), device="cuda")
         out.backward(g.to(out.dtype))
         torch.cuda.synchronize()
-        variants = {n: kwargs[n] for n in ("window_size",) if n in kwargs}
+        variants = {n: kwargs[n] for n in ("window_size", "softcap") if n in kwargs}
         if sinks is not None:
             variants["sinks"] = sinks.detach()
         args = (x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, case.causal, case.effective_scale)
@@ -193,11 +194,17 @@ def test_variant_gradients_match_float64_autograd():
             rows = (a, b) if a.dim() > 1 else (a[:, None], b[:, None])
             _check(name, *rows, a.dtype, case, TOLERANCES[case.dtype])
         ran["examples"] += 1
-        variant = select.variant(case.causal, tuple(case.window_size), 0.0, sinks)
+        variant = select.variant(case.causal, tuple(case.window_size), case.softcap, sinks)
         ran["+".join(variant) or "plain"] += 1
+        window = tuple(case.window_size)
         kernel = select.forward_kernel(q.device, q.dtype, q.shape[-1], variant)
         if kernel == "fa2":  # windows: FlashAttention-2's forward or window_forward.py's
-            kernel = select.window_kernel(q.device, q.dtype, q.shape[-1], case.causal, tuple(case.window_size))
+            kernel = select.window_kernel(q.device, q.dtype, q.shape[-1], case.causal, window)
+        if select.SOFTCAP in variant and select._variant_reason(q.device, q.dtype, q.shape[-1], variant, training=True,
+                                                                causal=case.causal, window=window) is None:
+            kernel += "+triton_backward"
+        elif select.SOFTCAP in variant:
+            kernel = "reference"
         ran["kernel_" + kernel] += 1
         ran["causal"] += case.causal
         ran["cross" if case.layout.cross else "self"] += 1

@@ -261,7 +261,7 @@ class Runtime:
         return implicit
 
     def attention_with_lse(self, q, k, v, cu_q, cu_k, causal: bool, scale: float, window=(-1, -1),
-                           trains: bool = True):
+                           trains: bool = True, softcap: float = 0.0):
         """The training forward's kernel: see :meth:`PlannedStep.attention_with_lse <ragged_compile.steps.PlannedStep.attention_with_lse>`.
 
         Outside a step (an activation-checkpoint recompute runs in the backward,
@@ -274,8 +274,8 @@ class Runtime:
             step = self._retained_step(cu_q, cu_k) or self._step_for(cu_q, cu_k)
             if step is None:
                 with self.step():
-                    return self.attention_with_lse(q, k, v, cu_q, cu_k, causal, scale, window, trains)
-        return step.attention_with_lse(q, k, v, cu_q, cu_k, causal, scale, window, trains)
+                    return self.attention_with_lse(q, k, v, cu_q, cu_k, causal, scale, window, trains, softcap)
+        return step.attention_with_lse(q, k, v, cu_q, cu_k, causal, scale, window, trains, softcap)
 
     def max_lens(self, q, k, cu_q, cu_k) -> tuple[int, int]:
         """The longest q and k segment of these offsets (for kernels that size their

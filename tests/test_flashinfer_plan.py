@@ -183,3 +183,24 @@ def test_replay_runs_only_the_recorded_call_of_the_current_plan(monkeypatch):
     assert fi.replay(w, qt, k, v, lse=True) is None
     fi.run(w, q, k, v)  # recorded without the LSE again
     assert fi.replay(w, q, k, v, lse=True) is None
+
+
+def test_a_broken_flashinfer_install_reads_as_missing_under_compile(tmp_path, monkeypatch):
+    """An import of flashinfer that raises (a CUDA mismatch underneath it) means
+    "not available", also when the first check runs while torch.compile traces
+    (where a raising import would be an internal compiler error)."""
+    import sys
+
+    (tmp_path / "flashinfer").mkdir()
+    (tmp_path / "flashinfer" / "__init__.py").write_text("raise RuntimeError('a broken CUDA install')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    fi._importable.cache_clear()
+    try:
+        @torch.compile(fullgraph=True, backend="eager")
+        def f(x):
+            return x + (1 if fi.available() else 2)
+
+        assert f(torch.zeros(1)).item() == 2
+    finally:
+        fi._importable.cache_clear()

@@ -55,8 +55,16 @@ DTYPES = (torch.float16, torch.bfloat16)
 AUTO_FA2_BELOW_MEAN_KV = 256
 
 
-@functools.cache
+# A constant to torch.compile: a first call while tracing runs eagerly, not traced
+# (an import that raises inside a trace is an internal compiler error, which the
+# except below would not see).
+@torch.compiler.assume_constant_result
 def available() -> bool:
+    return _importable()
+
+
+@functools.cache
+def _importable() -> bool:
     try:
         import flashinfer  # noqa: F401
     except Exception:  # ImportError, or a broken CUDA install underneath it

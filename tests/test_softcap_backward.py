@@ -118,6 +118,24 @@ def test_cuda_the_triton_backward_matches_the_reference(case, dtype):
     _check(case, dtype, "cuda", 3e-2, nan_segment=0)
 
 
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("d,hq,hkv", [(64, 8, 2), (128, 4, 2), (256, 4, 4)])
+def test_cuda_the_triton_backward_repeats_bit_for_bit(d, hq, hkv):
+    """Two runs of the backward on one input agree exactly: no atomics, and no
+    pipelined stage that races (segments long enough for many blocks a program)."""
+    case = ([1500, 1, 0, 700, 300], None, hq, hkv, d, True, (-1, -1), 50.0)
+    (q, k, v, go), cu_q, cu_k, causal, scale, window, softcap = _inputs(case, torch.bfloat16)
+    out, lse = _forward(q, k, cu_q, cu_k, v, causal, scale, window, softcap, torch.bfloat16)
+    dev = [t.cuda() for t in (go, q, k, v, out, lse, cu_q, cu_k)]
+    first = segment_backward.backward(*dev, causal, scale, window, softcap)
+    for _ in range(3):
+        again = segment_backward.backward(*dev, causal, scale, window, softcap)
+        for name, a, b in zip("qkv", again, first):
+            assert torch.equal(a, b), f"d{name} differs between runs: {(a.float() - b.float()).abs().max().item():.3g}"
+
+
 # -- the op on CUDA: FlashInfer's capped forward, this backward -----------------------
 
 

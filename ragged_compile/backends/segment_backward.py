@@ -76,12 +76,13 @@ def _config(d: int):
     """The tiles of :func:`backward`'s two kernels by head dim: ``((key rows a
     program, query rows a step, warps, stages), (query rows a program, key rows a
     step, warps, stages))``."""
-    # One stage: pipelined (num_stages=2), these loops (runtime bounds, transposed
-    # register tiles) gave gradients that changed from run to run on an H200
-    # under Triton 3.6.
+    # The fastest of bench_softcap.py --sweep on an H100 (softcap-sweep.json), one
+    # stage each: pipelined (num_stages=2), the key-side loop (runtime bounds,
+    # transposed register tiles) gave dK and dV that changed from run to run and
+    # were wrong by 41% at head dim 128 under Triton 3.6.
     if d <= 128:
-        return (64, 32, 4, 1), (64, 32, 4, 1)
-    return (32, 32, 8, 1), (32, 32, 8, 1)
+        return (64, 64, 4, 1), (64, 32, 4, 1)
+    return (32, 32, 4, 1), (64, 32, 4, 1)
 
 
 def recompute(flags, grad_out, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float, max_lens, grads) -> None:

@@ -230,7 +230,9 @@ def main() -> None:
     dev, dtype = torch.device("cuda"), torch.bfloat16
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    res = {"environment": environment(), "dtype": str(dtype), "rows": []}
+    # FlashInfer's backend for the forward (RAGGED_COMPILE_BACKEND; auto: the op's choice)
+    res = {"environment": environment(), "dtype": str(dtype),
+           "flashinfer_backend": os.environ.get("RAGGED_COMPILE_BACKEND") or "auto", "rows": []}
     if a.sweep:
         res["sweep"] = sweep(dev, dtype, a.reps, a.smoke)
         (out / "softcap-sweep.json").write_text(json.dumps(res, indent=1) + "\n")

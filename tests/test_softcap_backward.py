@@ -194,9 +194,10 @@ def test_cuda_softcapped_gradients_stay_in_their_segment(causal):
     go = torch.randn(116, 4, 64, device="cuda", dtype=torch.bfloat16)
 
     def grads(x, c):
-        x = x.detach().requires_grad_()
-        out = rc.ragged_attention(x[:, :4], x[:, 4:6], x[:, 6:], c, causal=causal, softcap=5.0)
-        return torch.autograd.grad(out, x, go)[0]
+        with torch.enable_grad():  # the check calls fn under no_grad
+            x = x.detach().requires_grad_()
+            out = rc.ragged_attention(x[:, :4], x[:, 4:6], x[:, 6:], c, causal=causal, softcap=5.0)
+            return torch.autograd.grad(out, x, go)[0]
 
     x = torch.randn(70 + 5 + 40 + 1, 8, 64, device="cuda", dtype=torch.bfloat16)
     testing.check_segment_independence(grads, x, _offsets([70, 5, 40, 1]).cuda())

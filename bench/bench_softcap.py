@@ -165,11 +165,15 @@ def row(name, layout, hq, hkv, d, causal, window, dev, dtype, reps, smoke):
     }
     if int(cu_np[-1]) <= 8192:
         fns["reference"] = lambda: reference_attention_backward(go, q, k, v, cu, cu, causal, scale, **kw)
-    eager_out = fns["eager"]()[0]
-    lens = np.diff(cu_np)
-    got = torch.cat([eager_out[i, :, :n].transpose(0, 1) for i, n in enumerate(lens)])
-    res["eager_rel_err_out"] = _rel(got, want_out)
-    del eager_out, got
+    try:  # the padded batch's scores may not fit
+        eager_out = fns["eager"]()[0]
+        got = torch.cat([eager_out[i, :, :n].transpose(0, 1) for i, n in enumerate(np.diff(cu_np))])
+        res["eager_rel_err_out"] = _rel(got, want_out)
+        del eager_out, got
+    except torch.OutOfMemoryError as e:
+        res["eager_error"] = f"OutOfMemoryError: {str(e)[:120]}"
+        del fns["eager"]
+        torch.cuda.empty_cache()
     for key, fn in fns.items():
         try:
             res[f"{key}_ms"] = mean_ms(fn, dev, reps if key != "reference" else 3)[0]

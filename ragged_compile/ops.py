@@ -138,7 +138,7 @@ def ragged_attention(
     a call is decided in ``backends/select.py``. Variants: windows and sinks run
     the fused CPU kernel, softcap the reference on CPU; on CUDA windows run
     PyTorch's FlashAttention-2 forward and backward, softcap FlashInfer's forward
-    (gradients: the reference's), sinks rescale a fused forward and train on
+    and its LSE (gradients: segment_backward.py's Triton backward), sinks rescale a fused forward and train on
     FlashAttention-2's backward; softcap with sinks runs the reference kernel,
     said once at WARNING.
 

@@ -48,8 +48,9 @@ window      the fused CPU kernel (a band      PyTorch's FlashAttention-2, forwar
 sinks       the fused CPU kernel (output and  a fused forward's output and LSE
             LSE rescaled; exact backward)     rescaled; FlashAttention-2's backward
 softcap     the reference kernel (the fused   FlashInfer's forward (capped at plan
-            kernel cannot cap scores)         time, a left window too); the
-                                              reference's gradients
+            kernel cannot cap scores)         time, a left window too) and its
+                                              LSE; segment_backward.py's Triton
+                                              backward
 softcap +   the reference kernel              the reference kernel, said once at
 sinks                                         WARNING
 ==========  ================================  =========================================
@@ -132,9 +133,9 @@ def _variant_reason(
     or FlashAttention-2's with a window) and hand FlashAttention-2's backward
     that output and LSE, which gives their exact gradients
     (``flash_backward.with_sinks``). Soft-capped calls (with a left window or
-    none, no sinks) run FlashInfer's forward, which caps at plan time; no fused
-    backward caps, so their gradients are the reference's (``training``: the LSE
-    pair, which needs one, cannot take them)."""
+    none, no sinks) run FlashInfer's forward, which caps at plan time, and train
+    on its LSE with segment_backward.py's Triton backward (``training``: where
+    that backward cannot run, the reference's gradients)."""
     if not variant:
         return None
     if not isinstance(head_dim, int):

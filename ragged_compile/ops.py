@@ -138,9 +138,9 @@ def ragged_attention(
     a call is decided in ``backends/select.py``. Variants: windows and sinks run
     the fused CPU kernel, softcap the reference on CPU; on CUDA windows run
     PyTorch's FlashAttention-2 forward and backward, softcap FlashInfer's forward
-    and its LSE (gradients: segment_backward.py's Triton backward), sinks rescale a fused forward and train on
-    FlashAttention-2's backward; softcap with sinks runs the reference kernel,
-    said once at WARNING.
+    and its LSE (gradients: segment_backward.py's Triton backward), sinks
+    rescale a fused forward and train on FlashAttention-2's backward; softcap
+    with sinks runs the reference kernel, said once at WARNING.
 
     Offsets are checked (``cu[0] == 0``, non-decreasing, ``cu[-1] == T``) on
     host copies: always for CPU tensors, at plan time on CUDA, and on every call

@@ -118,7 +118,6 @@ def test_cuda_the_triton_backward_matches_the_reference(case, dtype):
     _check(case, dtype, "cuda", 3e-2, nan_segment=0)
 
 
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("d,hq,hkv", [(64, 8, 2), (128, 4, 2), (256, 4, 4)])
